@@ -1,0 +1,95 @@
+"""``run_frontend`` as a real process: exits non-zero when the engine dies, 0 on SIGTERM;
+and the frontend package never imports torch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.frontend.fake_engine import FakeEngine
+from vtllm.config import VtllmConfig
+
+_RUN = (
+    "import sys; from vtllm.config import VtllmConfig; from vtllm.frontend.app import run_frontend;"
+    "sys.exit(run_frontend(VtllmConfig.from_bytes(sys.argv[1].encode()), sys.argv[2], sys.argv[3]))"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(tmp_path: Path, model_dir: Path) -> tuple[FakeEngine, subprocess.Popen, str]:
+    fake = FakeEngine(f"ipc://{tmp_path}/engine.sock", token_ids=[5]).start()
+    config = VtllmConfig()
+    config.frontend.port = _free_port()
+    env = {**os.environ, "VT_HEARTBEAT_INTERVAL_S": "0.1", "VT_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUN, config.to_bytes().decode(), str(model_dir), fake.address],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{config.frontend.port}"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return fake, proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            fake.stop()
+            pytest.fail(f"frontend did not come up:\n{proc.communicate()[0]}")
+        time.sleep(0.05)
+
+
+def _wait_exit(proc: subprocess.Popen, timeout_s: float = 10) -> int:
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"frontend did not exit:\n{proc.communicate()[0]}")
+
+
+def test_exits_nonzero_when_engine_dies(tmp_path: Path, model_dir: Path) -> None:
+    fake, proc, url = _start(tmp_path, model_dir)
+    try:
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}).status_code == 200
+        fake.send_dead("worker crashed")
+        assert _wait_exit(proc) == 1
+    finally:
+        fake.stop()
+
+
+def test_sigterm_is_a_clean_stop(tmp_path: Path, model_dir: Path) -> None:
+    fake, proc, _ = _start(tmp_path, model_dir)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert _wait_exit(proc) == 0
+        deadline = time.monotonic() + 5
+        while fake.goodbyes == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert fake.goodbyes == 1
+    finally:
+        fake.stop()
+
+
+def test_frontend_never_imports_torch() -> None:
+    code = (
+        "import sys, vtllm.frontend.app, vtllm.frontend.engine_client;"
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

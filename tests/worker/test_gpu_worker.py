@@ -1,0 +1,70 @@
+"""GPU runs of the worker (``-m gpu`` on a CUDA/ROCm machine): the same model runner on
+the device against transformers on CPU, and the worker process's memory profiling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vtllm.protocol import messages as m
+from vtllm.protocol.messages import SamplingParams
+from vtllm.worker.model_runner import ModelRunner
+from vtllm.worker.platform import PlatformKind, detect_platform
+
+from .test_worker_process import _join, _prompt_step, _start_workers
+from .tiny_models import VOCAB_SIZE, EngineSim, full_logprobs, hf_last_logprobs, make_hf_model
+
+pytestmark = pytest.mark.gpu
+
+
+def test_platform_sees_the_gpu():
+    platform = detect_platform(0)
+    assert platform.kind in (PlatformKind.CUDA, PlatformKind.ROCM)
+    assert platform.dist_backend == "nccl"
+    assert platform.resolve_dtype("auto") == torch.bfloat16
+    free, total = platform.memory_info()
+    assert 0 < free <= total
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_runner_on_gpu_matches_transformers(kind, tmp_path):
+    hf_model = make_hf_model(kind, tmp_path)
+    device = detect_platform(0).device
+    runner = ModelRunner.from_model_dir(tmp_path, device, torch.float32, seed=0)
+    runner.init_kv_cache(num_blocks=64, block_size=16)
+    engine = EngineSim(runner.execute, num_blocks=64, block_size=16)
+    params = SamplingParams(temperature=0.0, logprobs=VOCAB_SIZE)
+    engine.add("a", list(range(3, 40)), params)
+    engine.add("b", [5, 6, 7], params)
+    schedule = {"a": 20, "b": 3}
+    for step in range(12):
+        output = engine.step(schedule)
+        for i, request_id in enumerate(output.request_ids):
+            expected = hf_last_logprobs(hf_model, engine.requests[request_id].token_ids[:-1])
+            actual = full_logprobs(output, i, VOCAB_SIZE)
+            torch.testing.assert_close(actual, expected, atol=1e-3, rtol=0)
+            assert output.sampled_token_ids[i] == int(expected.argmax())
+        schedule = {"a": 17, "b": 1} if step == 0 else {"a": 1, "b": 1}
+
+
+def test_worker_process_profiles_gpu_memory(tmp_path):
+    hf_model = make_hf_model("llama_tied", tmp_path / "model")
+    config, engine, procs = _start_workers(tmp_path / "model", tmp_path, world_size=1)
+    try:
+        _, report = engine.receive()
+        assert isinstance(report, m.WorkerReport), report
+        _, total = detect_platform(0).memory_info()
+        assert 0 < report.usable_kv_bytes < config.cache.gpu_memory_utilization * total
+        assert report.facts.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2  # bf16 under auto
+        engine.send(0, m.InitKVCache(num_blocks=8, block_size=4))
+        assert isinstance(engine.receive()[1], m.WorkerReady)
+        engine.send(0, _prompt_step())
+        _, output = engine.receive()
+        assert isinstance(output, m.ModelRunnerOutput), output
+        expected = hf_last_logprobs(hf_model, [5, 9, 17, 33, 65, 1, 7])
+        assert output.sampled_token_ids[0] in expected.topk(3).indices.tolist()  # bf16
+        engine.send(0, m.Shutdown())
+        assert _join(procs) == [0]
+    finally:
+        _join(procs, timeout_s=1.0)
+        engine.close()

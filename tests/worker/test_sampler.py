@@ -1,0 +1,112 @@
+"""Sampler: greedy, truncation rules, per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from vtllm.protocol.messages import SamplingParams
+from vtllm.worker.sampler import Sampler, SamplingBatch
+
+VOCAB = 50
+CPU = torch.device("cpu")
+
+
+def _sample(logits, params, generators=None, seed=0):
+    batch = SamplingBatch.from_params(params, generators or {}, VOCAB, CPU)
+    return Sampler(seed, CPU)(logits, batch)
+
+
+def _logits(num_rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    logits = _logits(6)
+    out = _sample(logits, [SamplingParams(temperature=0.0)] * 6)
+    assert out.sampled.tolist() == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_stay_greedy_in_a_random_batch():
+    logits = _logits(4)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 2
+    out = _sample(logits, params)
+    assert out.sampled[0::2].tolist() == logits[0::2].argmax(-1).tolist()
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = _logits(8, seed=1)
+    argmax = logits.argmax(-1).tolist()
+    for params in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(top_p=1e-6)):
+        for seed in range(5):
+            assert _sample(logits, [params] * 8, seed=seed).sampled.tolist() == argmax
+
+
+def test_top_k_keeps_only_the_k_best():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, [3, 7, 11]] = torch.tensor([2.0, 1.9, 1.8])
+    drawn = {
+        _sample(logits, [SamplingParams(temperature=5.0, top_k=3)], seed=s).sampled.item()
+        for s in range(60)
+    }
+    assert drawn == {3, 7, 11}
+
+
+def test_min_p_drops_unlikely_tokens():
+    logits = torch.full((1, VOCAB), -10.0)
+    logits[0, 4] = 5.0
+    logits[0, 9] = 5.0 + torch.log(torch.tensor(0.3)).item()  # 0.3 x the top probability
+    low = {_sample(logits, [SamplingParams(min_p=0.2)], seed=s).sampled.item() for s in range(80)}
+    high = {_sample(logits, [SamplingParams(min_p=0.5)], seed=s).sampled.item() for s in range(40)}
+    assert low == {4, 9}
+    assert high == {4}
+
+
+def _seeded_run(seed: int, logits_rows, row: int, num_rows: int) -> list[int]:
+    """Sample 20 steps for one seeded request placed at ``row`` of a batch."""
+    generator = torch.Generator().manual_seed(seed)
+    sampler = Sampler(1234, CPU)
+    tokens = []
+    for step in range(20):
+        logits = logits_rows[step].expand(num_rows, VOCAB).clone()
+        params = [SamplingParams(temperature=1.0)] * num_rows
+        params[row] = SamplingParams(temperature=1.0, seed=seed)
+        batch = SamplingBatch.from_params(params, {row: generator}, VOCAB, CPU)
+        tokens.append(sampler(logits, batch).sampled[row].item())
+    return tokens
+
+
+def test_same_seed_same_tokens_regardless_of_batch():
+    logits_rows = torch.zeros(20, 1, VOCAB)  # uniform: every token equally likely
+    alone = _seeded_run(7, logits_rows, row=0, num_rows=1)
+    with_others = _seeded_run(7, logits_rows, row=2, num_rows=5)
+    assert alone == with_others
+    assert _seeded_run(8, logits_rows, row=0, num_rows=1) != alone
+
+
+def test_unseeded_rows_follow_the_shared_generator():
+    logits = torch.zeros(3, VOCAB)
+    params = [SamplingParams(temperature=1.0)] * 3
+    a = _sample(logits, params, seed=1).sampled.tolist()
+    assert a == _sample(logits, params, seed=1).sampled.tolist()
+    assert a != _sample(logits, params, seed=2).sampled.tolist()
+
+
+def test_logprobs_are_log_softmax():
+    logits = _logits(3, seed=4)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=0.7, logprobs=0),
+        SamplingParams(temperature=0.0),
+    ]
+    out = _sample(logits, params)
+    expected = torch.log_softmax(logits, -1)
+    chosen = expected.gather(1, out.sampled[:, None]).squeeze(1)
+    torch.testing.assert_close(out.logprobs, chosen)
+    top_values, top_ids = expected.topk(5, -1)
+    assert out.top_ids.tolist() == top_ids.tolist()
+    torch.testing.assert_close(out.top_logprobs, top_values)
+
+
+def test_no_logprobs_unless_asked():
+    out = _sample(_logits(2), [SamplingParams(temperature=0.0)] * 2)
+    assert out.logprobs is None and out.top_ids is None

@@ -1,0 +1,170 @@
+"""Tiny random-weight HF models saved as safetensors, and an engine stand-in that drives a
+ModelRunner with ``SchedulerOutput`` deltas exactly as the engine core sends them.
+
+transformers is the reference here only; vtllm code never imports it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vtllm.protocol.messages import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
+
+VOCAB_SIZE = 128
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    eos_token_id=[2, 3],
+)
+
+
+def hf_config(kind: str):
+    """A transformers config for ``llama`` (untied, llama3 rope scaling), ``llama_tied``,
+    ``qwen2`` (qkv bias) or ``qwen3`` (q/k norm, explicit head_dim)."""
+    import transformers
+
+    if kind == "llama":
+        return transformers.LlamaConfig(
+            **_COMMON,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
+    if kind == "llama_tied":
+        return transformers.LlamaConfig(**_COMMON, tie_word_embeddings=True)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**_COMMON, tie_word_embeddings=False)
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True)
+    raise ValueError(kind)
+
+
+def make_hf_model(kind: str, out_dir: Path, seed: int = 0):
+    """Random fp32 model saved to ``out_dir``; returns the transformers model (eval)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32)
+    with torch.no_grad():  # give norms and biases non-trivial values
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return model
+
+
+@torch.no_grad()
+def hf_last_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """``[vocab]`` log-softmax of the reference model's last-position logits."""
+    logits = model(torch.tensor([token_ids])).logits[0, -1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+@dataclass
+class SimRequest:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    sent: bool = False
+    num_tokens_sent: int = 0  # tokens the worker knows about
+
+
+class EngineSim:
+    """Allocates blocks in random order and sends steps like the engine core."""
+
+    def __init__(self, execute, num_blocks: int, block_size: int, seed: int = 0) -> None:
+        self.execute = execute
+        self.block_size = block_size
+        self.free_blocks = list(range(1, num_blocks))  # block 0 reserved, as in the engine
+        random.Random(seed).shuffle(self.free_blocks)
+        self.requests: dict[str, SimRequest] = {}
+        self.step_id = 0
+        self.finished: list[str] = []
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        self.requests[request_id] = SimRequest(list(prompt), len(prompt), params)
+
+    def finish(self, request_id: str) -> None:
+        self.free_blocks.extend(self.requests.pop(request_id).block_ids)
+        self.finished.append(request_id)
+
+    def step(self, schedule: dict[str, int]) -> ModelRunnerOutput:
+        """Compute ``schedule[id]`` tokens of each request; append sampled tokens."""
+        new, cached = [], []
+        for request_id, num_tokens in schedule.items():
+            req = self.requests[request_id]
+            end = req.num_computed_tokens + num_tokens
+            assert end <= len(req.token_ids)
+            needed = -(-end // self.block_size) - len(req.block_ids)
+            new_blocks = [self.free_blocks.pop() for _ in range(max(0, needed))]
+            req.block_ids.extend(new_blocks)
+            if not req.sent:
+                new.append(
+                    NewRequestData(
+                        request_id,
+                        list(req.token_ids),
+                        req.num_prompt_tokens,
+                        req.params,
+                        list(req.block_ids),
+                        req.num_computed_tokens,
+                    )
+                )
+                req.sent = True
+            else:
+                cached.append(
+                    CachedRequestData(
+                        request_id,
+                        req.token_ids[req.num_tokens_sent :],
+                        new_blocks,
+                        req.num_computed_tokens,
+                    )
+                )
+            req.num_tokens_sent = len(req.token_ids)
+        step = SchedulerOutput(
+            step_id=self.step_id,
+            new_requests=new,
+            cached_requests=cached,
+            num_scheduled_tokens=dict(schedule),
+            finished_request_ids=self.finished,
+        )
+        self.finished = []
+        self.step_id += 1
+        output = self.execute(step)
+        for request_id, num_tokens in schedule.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        for request_id, token_id in zip(output.request_ids, output.sampled_token_ids, strict=True):
+            self.requests[request_id].token_ids.append(token_id)
+        return output
+
+
+def full_logprobs(output: ModelRunnerOutput, index: int, vocab_size: int) -> torch.Tensor:
+    """``[vocab]`` logprobs of row ``index`` from a full-vocab ``top_logprobs`` answer."""
+    values = torch.full((vocab_size,), float("nan"))
+    for token_id, logprob in output.top_logprobs[index]:
+        values[token_id] = logprob
+    return values

@@ -1,0 +1,120 @@
+"""``vtllm`` command line. Flags are generated from the config dataclasses (config.py):
+one flag per field, its help and default from the field."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from typing import Any
+
+from vtllm import __version__
+from vtllm.config import VtllmConfig, config_sections, parse_size
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(annotation: Any) -> type:
+    """``int | None`` → int; ``str`` → str."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {}, {})  # annotations are postponed (strings)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0]
+    return annotation
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    config = VtllmConfig()
+    for section_name, section in config_sections(config):
+        group = parser.add_argument_group(section_name)
+        for f in dataclasses.fields(section):
+            default = getattr(section, f.name)
+            help_text = f.metadata.get("help", "")
+            dest = f"{section_name}.{f.name}"
+            base = _base_type(f.type)
+            if base is bool:
+                group.add_argument(
+                    _flag(f.name),
+                    dest=dest,
+                    action=argparse.BooleanOptionalAction,
+                    default=default,
+                    help=f"{help_text} (default: {default})",
+                )
+                continue
+            kind = f.metadata.get("kind")
+            shown = default
+            if kind == "size" and isinstance(default, int):
+                shown = _human_size(default)
+            group.add_argument(
+                _flag(f.name),
+                dest=dest,
+                type=_size if kind == "size" else base,
+                default=default,
+                choices=f.metadata.get("choices"),
+                metavar=f.name.upper() if "choices" not in f.metadata else None,
+                help=f"{help_text} (default: {shown})",
+            )
+
+
+def _human_size(num_bytes: int) -> str:
+    for unit, factor in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if num_bytes >= factor and num_bytes % factor == 0:
+            return f"{num_bytes // factor}{unit}"
+    return str(num_bytes)
+
+
+def config_from_args(args: argparse.Namespace) -> VtllmConfig:
+    config = VtllmConfig()
+    for key, value in vars(args).items():
+        if "." not in key:
+            continue
+        section_name, field_name = key.split(".", 1)
+        setattr(getattr(config, section_name), field_name, value)
+    return config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vtllm", description="vtllm LLM serving engine")
+    parser.add_argument("--version", action="version", version=f"vtllm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Start the frontend, the engine core and one worker per "
+        "tensor-parallel rank. Without --model: the embedded SmolLM2-135M-Instruct.",
+    )
+    add_config_arguments(serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        config = config_from_args(args)
+        try:
+            config.validate()
+        except ValueError as e:
+            parser.error(str(e))
+        from vtllm.launch import serve
+
+        return serve(config)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

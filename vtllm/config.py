@@ -1,0 +1,214 @@
+"""One config tree for every process. The CLI is generated from it (``cli.py``).
+
+Each field carries its help text in ``metadata["help"]``. Sizes (``--kv-cache-memory``,
+``--max-request-bytes``) accept units: ``512MiB``, ``2GiB``, ``1.5G``, ``4096``.
+Durations accept ``500ms``, ``10s``, ``2m``.
+
+Runtime facts (the fitted ``max_model_len``, the KV block count) travel as messages and
+are never written back here: the config is what the user asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "min": 60.0, "h": 3600.0}
+_NUMBER_WITH_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """``"512MiB"`` → 536870912. Raises ValueError naming the accepted units."""
+    if isinstance(text, int):
+        return text
+    match = _NUMBER_WITH_UNIT.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a size; write a number with an optional unit such as "
+            "512MiB, 2GiB, 1.5GB or 4096 (bytes)"
+        )
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def parse_duration(text: str | float) -> float:
+    """``"500ms"`` → 0.5 seconds. Raises ValueError naming the accepted units."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    match = _NUMBER_WITH_UNIT.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _DURATION_UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a duration; write a number of seconds with an "
+            "optional unit such as 500ms, 10s, 2m"
+        )
+    return float(match.group(1)) * _DURATION_UNITS[unit]
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = _opt(
+        None,
+        "Path to a Hugging Face-style model directory (config.json, *.safetensors, "
+        "tokenizer.json) or a .gguf file. Unset: the embedded SmolLM2-135M-Instruct.",
+    )
+    served_model_name: str | None = _opt(
+        None, "Model name clients use in requests (default: derived from --model)."
+    )
+    dtype: str = _opt(
+        "auto",
+        "Weight and activation dtype: auto (bfloat16 on GPU, float32 on CPU), "
+        "float32, float16, bfloat16.",
+        choices=("auto", "float32", "float16", "bfloat16"),
+    )
+    max_model_len: int | None = _opt(
+        None,
+        "Longest sequence (prompt + output) in tokens. Unset: the model's own limit, "
+        "lowered to what the KV cache can hold.",
+    )
+    seed: int = _opt(0, "Seed of the shared sampling generator (requests without a seed).")
+
+    def default_served_name(self, model_dir: str) -> str:
+        """The name clients use: --served-model-name, else the model's own name (a
+        converted GGUF's cache directory, ``Name.Q4_1-<hash>``, serves as ``Name``)."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model and not self.model.endswith(".gguf"):
+            return self.model.rstrip("/").rsplit("/", 1)[-1]
+        return model_dir.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0]
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = _opt(16, "Tokens per KV-cache block.")
+    kv_cache_memory: int = _opt(
+        1024**3,
+        "KV-cache size on CPU, bytes with an optional unit (512MiB, 2GiB).",
+        kind="size",
+    )
+    gpu_memory_utilization: float = _opt(
+        0.9, "Fraction of GPU memory vtllm may use (weights, activations, KV cache)."
+    )
+    enable_prefix_caching: bool = _opt(
+        True, "Reuse the KV of shared prompt prefixes across requests."
+    )
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = _opt(64, "Most requests in one batch.")
+    max_num_batched_tokens: int = _opt(2048, "Token budget of one step (prefill chunks + decodes).")
+    scheduling_policy: str = _opt(
+        "fcfs",
+        "Order of waiting requests: fcfs, priority (lower value first), lpm (longest "
+        "cached prefix first).",
+        choices=("fcfs", "priority", "lpm"),
+    )
+    reserve_full_sequence: bool = _opt(
+        False,
+        "Admit a request only when KV for its whole prompt plus max tokens is free "
+        "(no preemption churn, fewer requests at once).",
+    )
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = _opt(1, "Number of worker processes (one device each).")
+
+
+@dataclass
+class FrontendConfig:
+    host: str = _opt("127.0.0.1", "Address the HTTP server listens on.")
+    port: int = _opt(8000, "Port the HTTP server listens on.")
+    api_key: str | None = _opt(
+        None, "If set, /v1/*, /tokenize and /detokenize require 'Authorization: Bearer <key>' "
+        "(or set VT_API_KEY).",
+    )
+    max_request_bytes: int = _opt(
+        32 * 1024**2, "Largest accepted HTTP request body (size with unit).", kind="size"
+    )
+    default_max_tokens: int | None = _opt(
+        None,
+        "Output token limit for requests that leave max_tokens unset (absent, null, "
+        "0 or negative). Unset: max_model_len - prompt tokens.",
+    )
+    tool_call_parser: str | None = _opt(
+        None,
+        "Parse tool calls in chat output into OpenAI tool_calls: hermes "
+        "(<tool_call>{...}</tool_call>). Unset: chat requests with tools are refused.",
+        choices=("hermes",),
+    )
+
+
+@dataclass
+class VtllmConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    frontend: FrontendConfig = field(default_factory=FrontendConfig)
+
+    def to_bytes(self) -> bytes:
+        """JSON, to hand the config to a spawned process (never pickle)."""
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> VtllmConfig:
+        return msgspec.json.decode(data, type=cls)
+
+    def validate(self) -> None:
+        """Raise ValueError, naming the flag, for values no engine can run with."""
+        problems = []
+        if self.cache.block_size <= 0 or self.cache.block_size & (self.cache.block_size - 1):
+            problems.append(f"--block-size must be a power of two, got {self.cache.block_size}")
+        if not 0.0 < self.cache.gpu_memory_utilization <= 1.0:
+            problems.append(
+                "--gpu-memory-utilization must be in (0, 1], got "
+                f"{self.cache.gpu_memory_utilization}"
+            )
+        if self.cache.kv_cache_memory <= 0:
+            problems.append(f"--kv-cache-memory must be positive, got {self.cache.kv_cache_memory}")
+        if self.scheduler.max_num_seqs < 1:
+            problems.append(f"--max-num-seqs must be >= 1, got {self.scheduler.max_num_seqs}")
+        if self.scheduler.max_num_batched_tokens < 1:
+            problems.append(
+                "--max-num-batched-tokens must be >= 1, got "
+                f"{self.scheduler.max_num_batched_tokens}"
+            )
+        if self.model.max_model_len is not None and self.model.max_model_len < 1:
+            problems.append(f"--max-model-len must be >= 1, got {self.model.max_model_len}")
+        if self.parallel.tensor_parallel_size < 1:
+            problems.append(
+                f"--tensor-parallel-size must be >= 1, got {self.parallel.tensor_parallel_size}"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def config_sections(config: VtllmConfig) -> list[tuple[str, Any]]:
+    """(section name, section object) pairs, in CLI order."""
+    return [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]

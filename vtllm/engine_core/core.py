@@ -1,0 +1,200 @@
+"""The engine core: requests in, one step at a time on an executor, outputs out.
+
+Plain Python over a ``Scheduler`` and anything with ``execute(SchedulerOutput) ->
+ModelRunnerOutput``, so unit tests drive it with a fake executor; ``core_proc`` wraps it
+in sockets and a process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from vtllm.config import VtllmConfig
+from vtllm.engine_core.guards import validate_request
+from vtllm.engine_core.request import Request, RequestStatus
+from vtllm.engine_core.scheduler import Scheduler
+from vtllm.engine_core.step_log import HeartbeatSnapshot, LoopCounters, PrefillProgress
+from vtllm.protocol import messages as m
+
+logger = logging.getLogger(__name__)
+
+ClientId = bytes
+
+
+class Executor(Protocol):
+    def execute(self, step: m.SchedulerOutput) -> m.ModelRunnerOutput: ...
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """Runtime facts fixed at start-up (after the KV-fit check)."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+Outputs = list[tuple[ClientId, m.RequestOutput]]
+
+
+class EngineCore:
+    def __init__(self, config: VtllmConfig, facts: EngineFacts, executor: Executor) -> None:
+        self.config = config
+        self.facts = facts
+        self.executor = executor
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            num_blocks=facts.num_blocks,
+            max_model_len=facts.max_model_len,
+            eos_token_ids=facts.eos_token_ids,
+        )
+        self.counters = LoopCounters()
+        self.progress = PrefillProgress()
+
+    # -- requests --------------------------------------------------------------------
+
+    def add_request(self, client_id: ClientId, add: m.AddRequest) -> Outputs:
+        """Admit a request, or finish it at once with an error that says why."""
+        error = None
+        if add.request_id in self.scheduler.requests:
+            error = f"request id {add.request_id!r} is already in use; send a unique id"
+        if error is None:
+            error = validate_request(
+                add.prompt_token_ids,
+                add.sampling_params,
+                self.facts.max_model_len,
+                self.facts.vocab_size,
+            )
+        if error is not None:
+            logger.warning("refused request %s: %s", add.request_id, error)
+            output = m.RequestOutput(
+                request_id=add.request_id,
+                new_token_ids=[],
+                finish_reason=m.FinishReason.ERROR,
+                error=error,
+                num_prompt_tokens=len(add.prompt_token_ids),
+            )
+            return [(client_id, output)]
+
+        num_prompt = len(add.prompt_token_ids)
+        max_tokens = add.sampling_params.max_tokens
+        if max_tokens is None:  # unset: as long as the context allows
+            max_tokens = self.facts.max_model_len - num_prompt
+        request = Request(
+            request_id=add.request_id,
+            client_id=client_id,
+            prompt_token_ids=add.prompt_token_ids,
+            sampling_params=add.sampling_params,
+            max_tokens=max_tokens,
+            block_size=self.facts.block_size,
+            arrival_time=add.arrival_time or time.time(),
+            priority=add.priority,
+            cache_salt=add.cache_salt,
+        )
+        self.scheduler.add_request(request)
+        return []
+
+    def abort(self, request_ids: list[str], client_id: ClientId | None = None) -> Outputs:
+        """Abort requests (only those owned by ``client_id`` when given); blocks are freed
+        at once and each aborted request gets a final ABORT output."""
+        owned = [
+            rid
+            for rid in request_ids
+            if rid in self.scheduler.requests
+            and (client_id is None or self.scheduler.requests[rid].client_id == client_id)
+        ]
+        finished = self.scheduler.finish_requests(owned, RequestStatus.FINISHED_ABORTED)
+        for request in finished:
+            self.progress.forget(request.request_id)
+        return [(r.client_id, Scheduler._output(r, [])) for r in finished]
+
+    def abort_client(self, client_id: ClientId) -> Outputs:
+        owned = [r.request_id for r in self.scheduler.requests.values() if r.client_id == client_id]
+        if owned:
+            logger.info("client gone: aborting its %d requests", len(owned))
+        return self.abort(owned, client_id)
+
+    def fail_all(self, reason: str) -> Outputs:
+        """End every request with an error (the workers are gone)."""
+        requests = list(self.scheduler.requests.values())
+        for request in requests:
+            request.error = reason
+        self.scheduler.finish_requests(
+            [r.request_id for r in requests], RequestStatus.FINISHED_ERROR
+        )
+        return [(r.client_id, Scheduler._output(r, [])) for r in requests]
+
+    # -- the step --------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> tuple[Outputs, m.SchedulerStats | None]:
+        """Schedule, execute, update. Returns outputs per client and this step's stats
+        (None when there was nothing to do)."""
+        if not self.scheduler.has_work():
+            return [], None
+        step = self.scheduler.schedule()
+        for request_id, (num_done, num_chunk) in step.prefill_chunks.items():
+            request = self.scheduler.requests[request_id]
+            self.progress.begin(request_id, num_done, num_chunk, request.num_prompt_tokens)
+
+        result = self.executor.execute(step.message)
+        self.counters.steps += 1
+        if step.total_num_scheduled_tokens:
+            self.counters.model_executions += 1
+
+        for request_id, (num_done, num_chunk) in step.prefill_chunks.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self.progress.after(request_id, num_done + num_chunk, request.num_prompt_tokens)
+        outputs = [
+            (request.client_id, output)
+            for request, output in self.scheduler.update_from_output(step, result)
+        ]
+        for _, output in outputs:
+            if output.finish_reason is not None:
+                self.progress.forget(output.request_id)
+        stats = self.scheduler.make_stats()
+        self.counters.prefix_queries += stats.prefix_cache_queries
+        self.counters.prefix_hits += stats.prefix_cache_hits
+        return outputs, stats
+
+    # -- utility calls ---------------------------------------------------------------
+
+    def heartbeat_snapshot(self) -> HeartbeatSnapshot:
+        return HeartbeatSnapshot(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.scheduler.kv.usage,
+        )
+
+    def utility(self, method: str, args: list[Any]) -> Any:
+        """Named calls from clients. Raises ValueError with a reason on refusal."""
+        if method == "reset_prefix_cache":
+            refusal = self.scheduler.kv.reset_prefix_cache()
+            if refusal is not None:
+                raise ValueError(f"cannot reset the prefix cache: {refusal}")
+            return True
+        if method == "get_stats":
+            pool = self.scheduler.kv.pool
+            return {
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "num_free_blocks": pool.num_free_blocks,
+                "num_total_blocks": pool.num_usable_blocks,
+                "num_cached_blocks": len(pool.cached_blocks),
+                "kv_cache_usage": pool.usage,
+                "num_preemptions_total": self.scheduler.num_preemptions_total,
+                "prefix_cache_queries_total": self.counters.prefix_queries,
+                "prefix_cache_hits_total": self.counters.prefix_hits,
+                "steps_total": self.counters.steps,
+            }
+        raise ValueError(f"unknown utility method {method!r}; known: reset_prefix_cache, get_stats")

@@ -1,0 +1,339 @@
+"""The engine-core process: ``EngineCore`` behind a ZMQ ROUTER, workers behind an executor.
+
+Threads::
+
+    client I/O thread (owns the ROUTER)          engine loop (main thread)
+      recv → decode → handshake / heartbeats  ─▶  inbox queue ─▶ add / abort / utility
+      send ◀── inproc PULL ◀──────────────────────  PUSH ◀── outputs + stats per step
+    heartbeat thread (VT_ENGINE_STEP_LOG)         reads loop counters
+
+The I/O thread keeps answering handshakes and heartbeats while the loop sits inside a
+long model execution, so clients never mistake a long prefill for a dead engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from vtllm import envs
+from vtllm.config import VtllmConfig
+from vtllm.engine_core.core import ClientId, EngineCore, EngineFacts, Outputs
+from vtllm.engine_core.executor import MultiprocExecutor, WorkerDiedError
+from vtllm.engine_core.guards import KVCacheTooSmallError, check_kv_cache_fits
+from vtllm.engine_core.step_log import StepHeartbeat
+from vtllm.process import become_child_process
+from vtllm.protocol import codec, transport
+from vtllm.protocol import messages as m
+
+logger = logging.getLogger(__name__)
+
+EXIT_START_FAILED = 2
+EXIT_WORKER_DIED = 3
+
+
+@dataclass
+class ClientGone:
+    """Inbox item: a client said Goodbye or fell silent past the heartbeat timeout."""
+
+
+class ClientChannel(threading.Thread):
+    """Owns the client ROUTER socket: handshake, heartbeats, decode, send."""
+
+    def __init__(self, ctx: zmq.Context, address: str, ready: m.Ready, inbox: queue.Queue):
+        super().__init__(name="vtllm-client-io", daemon=True)
+        self.ctx = ctx
+        self.address = address
+        self.ready = ready
+        self.inbox = inbox
+        self.outbox_address = f"inproc://vtllm-outbox-{uuid.uuid4().hex}"
+        self._outbox = ctx.socket(zmq.PULL)
+        self._outbox.bind(self.outbox_address)  # bound before the loop's PUSH connects
+        self._stop_event = threading.Event()
+        self.clients: dict[ClientId, float] = {}  # identity → last heard (monotonic)
+        self.bound = threading.Event()
+
+    def run(self) -> None:
+        router = transport.configure(self.ctx.socket(zmq.ROUTER))
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its name
+        router.bind(self.address)
+        self.bound.set()
+        decoder = codec.client_to_engine_decoder()
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(self._outbox, zmq.POLLIN)
+        interval = envs.VT_HEARTBEAT_INTERVAL_S
+        timeout = envs.VT_HEARTBEAT_TIMEOUT_S
+        next_beat = time.monotonic() + interval
+        try:
+            while not self._stop_event.is_set():
+                events = dict(poller.poll(timeout=100))
+                if self._outbox in events:
+                    while True:
+                        try:
+                            frames = self._outbox.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._send(router, frames[0], frames[1])
+                if router in events:
+                    while True:
+                        try:
+                            frames = router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_frames(router, decoder, frames)
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + interval
+                    beat = codec.encode(m.Heartbeat(timestamp=time.time()))
+                    for identity, last in list(self.clients.items()):
+                        if now - last > timeout:
+                            logger.warning(
+                                "client %s silent for %.0fs; treating it as gone",
+                                identity.hex(),
+                                now - last,
+                            )
+                            del self.clients[identity]
+                            self.inbox.put((identity, ClientGone()))
+                        else:
+                            self._send(router, identity, beat)
+        finally:
+            router.close(linger=0)
+            self._outbox.close(linger=0)
+            transport.unlink_ipc(self.address)
+
+    def _send(self, router: zmq.Socket, identity: bytes, payload: bytes) -> None:
+        try:
+            router.send_multipart([identity, payload], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the peer is gone; its requests are aborted on timeout
+            logger.debug("cannot send to client %s: %s", identity.hex(), e)
+
+    def _on_frames(self, router: zmq.Socket, decoder: codec.Decoder, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            logger.warning("dropping a client message of %d frames (expected 1)", len(frames) - 1)
+            return
+        identity, payload = frames
+        try:
+            message = decoder.decode(payload)
+        except codec.ProtocolError as e:
+            logger.warning("dropping an undecodable message from client %s: %s", identity.hex(), e)
+            return
+        if isinstance(message, m.Hello):
+            if message.protocol_version != m.PROTOCOL_VERSION:
+                reason = (
+                    f"protocol version {message.protocol_version} is not supported; this "
+                    f"engine speaks version {m.PROTOCOL_VERSION}: upgrade the client"
+                )
+                logger.warning("refused client %r: %s", message.client_name, reason)
+                self._send(router, identity, codec.encode(m.HandshakeRefused(reason)))
+                return
+            logger.info("client %r connected", message.client_name)
+            self.clients[identity] = time.monotonic()
+            self._send(router, identity, codec.encode(self.ready))
+            return
+        if identity not in self.clients:
+            logger.warning(
+                "dropping %s from a client that has not said Hello", type(message).__name__
+            )
+            return
+        self.clients[identity] = time.monotonic()
+        if isinstance(message, m.Heartbeat):
+            return
+        if isinstance(message, m.Goodbye):
+            del self.clients[identity]
+            self.inbox.put((identity, ClientGone()))
+            return
+        self.inbox.put((identity, message))
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+class EngineCoreProc:
+    """The engine loop: drain the inbox, step, publish; exits on SIGTERM or worker death."""
+
+    def __init__(self, core: EngineCore, channel: ClientChannel, inbox: queue.Queue):
+        self.core = core
+        self.channel = channel
+        self.inbox = inbox
+        self._outbox = channel.ctx.socket(zmq.PUSH)
+        self._outbox.setsockopt(zmq.SNDHWM, 0)
+        self._outbox.connect(channel.outbox_address)
+        self._stopping = False
+
+    def request_stop(self, *_: object) -> None:
+        self._stopping = True
+
+    def run(self) -> int:
+        while not self._stopping:
+            try:
+                item = self.inbox.get(timeout=0.0 if self.core.has_work() else 0.1)
+                self._handle(*item)
+                while True:
+                    self._handle(*self.inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if not self.core.has_work():
+                continue
+            try:
+                outputs, stats = self.core.step()
+            except WorkerDiedError as e:
+                reason = f"the engine lost a worker: {e}"
+                logger.error("%s; failing every request and exiting", reason)
+                self._publish(self.core.fail_all(reason), None)
+                self._broadcast(m.EngineDead(reason))
+                time.sleep(0.5)  # let the I/O thread flush
+                return EXIT_WORKER_DIED
+            self._publish(outputs, stats)
+        return 0
+
+    def _handle(self, client_id: ClientId, message: object) -> None:
+        if isinstance(message, m.AddRequest):
+            self._publish(self.core.add_request(client_id, message), None)
+        elif isinstance(message, m.AbortRequests):
+            self._publish(self.core.abort(message.request_ids, client_id), None)
+        elif isinstance(message, ClientGone):
+            self.core.abort_client(client_id)
+        elif isinstance(message, m.UtilityRequest):
+            self._utility(client_id, message)
+
+    def _utility(self, client_id: ClientId, call: m.UtilityRequest) -> None:
+        try:
+            args = [codec.decode_value(a) for a in call.args]
+            result = self.core.utility(call.method, args)
+            response = m.UtilityResponse(
+                call.call_id, True, msgspec.Raw(codec.encode_value(result))
+            )
+        except Exception as e:  # a refusal or a bad argument: the caller gets the reason
+            response = m.UtilityResponse(call.call_id, False, error=str(e))
+        self._outbox.send_multipart([client_id, codec.encode(response)])
+
+    def _publish(self, outputs: Outputs, stats: m.SchedulerStats | None) -> None:
+        """One EngineOutputs per client; stats (once per step) go to every client."""
+        per_client: dict[ClientId, list[m.RequestOutput]] = {}
+        for client_id, output in outputs:
+            per_client.setdefault(client_id, []).append(output)
+        if stats is not None:
+            for client_id in list(self.channel.clients):
+                per_client.setdefault(client_id, [])
+        now = time.time()
+        for client_id, client_outputs in per_client.items():
+            message = m.EngineOutputs(client_outputs, stats, now)
+            self._outbox.send_multipart([client_id, codec.encode(message)])
+
+    def _broadcast(self, message: m.EngineDead) -> None:
+        payload = codec.encode(message)
+        for client_id in list(self.channel.clients):
+            self._outbox.send_multipart([client_id, payload])
+
+    def close(self) -> None:
+        self._outbox.close(linger=0)
+
+
+def start_engine(config: VtllmConfig, model_dir: str, worker_address: str, dist_init_address: str):
+    """Start workers, size and fit the KV cache. Returns (executor, facts)."""
+    executor = MultiprocExecutor(config, model_dir, worker_address, dist_init_address)
+    try:
+        reports = executor.start()
+        facts = reports[0].facts
+        usable_kv_bytes = min(r.usable_kv_bytes for r in reports)
+        block_size = config.cache.block_size
+        fit = check_kv_cache_fits(
+            usable_kv_bytes=usable_kv_bytes,
+            kv_bytes_per_token=facts.kv_bytes_per_token,
+            block_size=block_size,
+            model_max_len=facts.max_position_embeddings,
+            pinned_max_model_len=config.model.max_model_len,
+            memory_flag="--kv-cache-memory on CPU, --gpu-memory-utilization on GPU",
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.3f GiB); max_model_len %d",
+            fit.num_blocks,
+            block_size,
+            fit.num_blocks * block_size * facts.kv_bytes_per_token / 1024**3,
+            fit.max_model_len,
+        )
+        executor.init_kv_cache(fit.num_blocks, block_size)
+    except BaseException:
+        executor.shutdown()
+        raise
+    engine_facts = EngineFacts(
+        model_name=config.model.served_model_name or facts.model_name,
+        max_model_len=fit.max_model_len,
+        vocab_size=facts.vocab_size,
+        num_blocks=fit.num_blocks,
+        block_size=block_size,
+        eos_token_ids=tuple(facts.eos_token_ids),
+    )
+    return executor, engine_facts
+
+
+def run_engine_core(
+    config_bytes: bytes,
+    model_dir: str,
+    client_address: str,
+    worker_address: str,
+    dist_init_address: str,
+) -> None:
+    """Process entry. Exit codes: 0 clean stop, 2 start-up refused, 3 a worker died."""
+    become_child_process("VTLLM::EngineCore")
+    config = VtllmConfig.from_bytes(config_bytes)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        executor, facts = start_engine(config, model_dir, worker_address, dist_init_address)
+    except KVCacheTooSmallError as e:
+        logger.error("refusing to start: %s", e)
+        sys.exit(EXIT_START_FAILED)
+    except WorkerDiedError as e:
+        logger.error("refusing to start: %s", e)
+        sys.exit(EXIT_START_FAILED)
+
+    ready = m.Ready(
+        protocol_version=m.PROTOCOL_VERSION,
+        model=facts.model_name,
+        max_model_len=facts.max_model_len,
+        vocab_size=facts.vocab_size,
+        num_kv_blocks=facts.num_blocks,
+        block_size=facts.block_size,
+        eos_token_ids=list(facts.eos_token_ids),
+        engine_id=uuid.uuid4().hex[:12],
+    )
+    core = EngineCore(config, facts, executor)
+    inbox: queue.Queue = queue.Queue()
+    ctx = zmq.Context.instance()
+    channel = ClientChannel(ctx, client_address, ready, inbox)
+    channel.start()
+    channel.bound.wait(10)
+    proc = EngineCoreProc(core, channel, inbox)
+    signal.signal(signal.SIGTERM, proc.request_stop)
+    signal.signal(signal.SIGINT, proc.request_stop)
+    if stop.is_set():
+        proc.request_stop()
+    heartbeat = None
+    if envs.VT_ENGINE_STEP_LOG:
+        heartbeat = StepHeartbeat(envs.VT_ENGINE_STEP_LOG, core.counters, core.heartbeat_snapshot)
+        heartbeat.start()
+    logger.info("engine core ready at %s", client_address)
+    code = 1
+    try:
+        code = proc.run()
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        executor.shutdown()
+        channel.stop()
+        channel.join(5)
+        proc.close()
+        logger.info("engine core stopped (exit %d)", code)
+    sys.exit(code)

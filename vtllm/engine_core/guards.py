@@ -1,0 +1,124 @@
+"""Guards that make a wedged engine unreachable by construction.
+
+1. Start-up: the KV pool must hold one whole sequence of ``max_model_len`` tokens
+   (``check_kv_cache_fits``). Then any request that passes 2. can always be scheduled
+   once the requests ahead of it finish or are preempted.
+2. Admission: a request whose prompt plus output could exceed ``max_model_len``, or that
+   is malformed, finishes at once with a clear error (``validate_request``).
+3. Both decide from static numbers only — never by trial allocation.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from vtllm.protocol.limits import prompt_too_long_message
+from vtllm.protocol.messages import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024**3
+
+
+class KVCacheTooSmallError(RuntimeError):
+    """The user pinned a ``--max-model-len`` that the KV pool cannot hold."""
+
+
+@dataclass(frozen=True)
+class KVFit:
+    max_model_len: int
+    num_blocks: int  # including the reserved null block
+
+
+def max_len_that_fits(num_blocks: int, block_size: int) -> int:
+    """Longest sequence the pool holds: every block but the reserved null block."""
+    return max(0, num_blocks - 1) * block_size
+
+
+def check_kv_cache_fits(
+    *,
+    usable_kv_bytes: int,
+    kv_bytes_per_token: int,
+    block_size: int,
+    model_max_len: int,
+    pinned_max_model_len: int | None,
+    memory_flag: str = "--kv-cache-memory",
+) -> KVFit:
+    """Size the pool from the workers' report and fit ``max_model_len`` to it.
+
+    Pinned and too large: raise ``KVCacheTooSmallError`` with the numbers and the flags
+    that would help. Unpinned: the model's own limit, lowered to what fits (logged).
+    """
+    bytes_per_block = kv_bytes_per_token * block_size
+    num_blocks = usable_kv_bytes // bytes_per_block
+    fits = max_len_that_fits(num_blocks, block_size)
+    wanted = pinned_max_model_len if pinned_max_model_len is not None else model_max_len
+    if wanted <= fits:
+        return KVFit(max_model_len=wanted, num_blocks=num_blocks)
+
+    needed_blocks = -(-wanted // block_size) + 1  # + the reserved null block
+    needed_gib = needed_blocks * bytes_per_block / GiB
+    available_gib = usable_kv_bytes / GiB
+    numbers = (
+        f"needs {needed_gib:.3f} GiB of KV cache ({needed_blocks} blocks of {block_size} "
+        f"tokens, incl. 1 reserved), but only {available_gib:.3f} GiB ({num_blocks} blocks) "
+        f"is available; the largest max_model_len that fits is {fits}"
+    )
+    if pinned_max_model_len is not None:
+        raise KVCacheTooSmallError(
+            f"--max-model-len {pinned_max_model_len} {numbers}. Lower --max-model-len to "
+            f"{fits} or less, or give the KV cache more memory ({memory_flag}, a smaller "
+            "--dtype, or more --tensor-parallel-size)."
+        )
+    if fits < block_size:
+        raise KVCacheTooSmallError(
+            f"the KV cache holds only {num_blocks} blocks ({available_gib:.3f} GiB), not "
+            f"one usable sequence; give it more memory ({memory_flag})."
+        )
+    logger.warning(
+        "max_model_len auto-fitted from %d to %d (%s; raise %s to keep %d)",
+        wanted,
+        fits,
+        numbers,
+        memory_flag,
+        wanted,
+    )
+    return KVFit(max_model_len=fits, num_blocks=num_blocks)
+
+
+def validate_request(
+    prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int
+) -> str | None:
+    """Everything that would make a request unservable, as one message (None = valid).
+
+    The frontend checks the same; this is for clients that talk ZMQ directly.
+    """
+    if not prompt_token_ids:
+        return "prompt is empty; send at least one token"
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        return f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+    max_tokens = params.max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        return f"max_tokens must be >= 1 or unset, got {max_tokens}"
+    problems = []
+    if not params.temperature >= 0.0:
+        problems.append(f"temperature must be >= 0, got {params.temperature}")
+    if not 0.0 < params.top_p <= 1.0:
+        problems.append(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        problems.append(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+    if not 0.0 <= params.min_p <= 1.0:
+        problems.append(f"min_p must be in [0, 1], got {params.min_p}")
+    if not params.repetition_penalty > 0.0:
+        problems.append(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
+    if params.min_tokens < 0:
+        problems.append(f"min_tokens must be >= 0, got {params.min_tokens}")
+    if params.logprobs is not None and not 0 <= params.logprobs <= 20:
+        problems.append(f"logprobs must be in [0, 20], got {params.logprobs}")
+    if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
+        problems.append(f"stop_token_ids must be in [0, {vocab_size})")
+    if problems:
+        return "; ".join(problems)
+    return prompt_too_long_message(len(prompt_token_ids), max_tokens, max_model_len)

@@ -1,0 +1,343 @@
+"""One token budget per step; running requests first, then waiting ones.
+
+Every request advances ``num_computed_tokens`` toward ``num_tokens``. Chunked prefill,
+prefix hits and resumption after preemption are all that one rule:
+
+    prompt   |■■■■■■■■■■■■■■■■■■■■|      ■ = computed, □ = scheduled this step
+    step 1   |□□□□□□□□              |      (budget 8: a prefill chunk)
+    step 2   |■■■■■■■■□□□□□□□□      |
+    step 3   |■■■■■■■■■■■■■■■■□□□□  |→ sample one token, append, decode from here on
+
+A waiting request that cannot get blocks now *waits* (peek and break): the start-up
+guard guarantees it fits once others finish or are preempted, so it is never aborted for
+transient pressure.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from vtllm.config import CacheConfig, SchedulerConfig
+from vtllm.engine_core.kv_cache_manager import KVCacheManager
+from vtllm.engine_core.request import Request, RequestStatus
+from vtllm.protocol import messages as m
+
+
+@dataclass
+class ScheduledStep:
+    """What ``schedule()`` decided, before it is turned into a wire message."""
+
+    step_id: int
+    message: m.SchedulerOutput
+    # request id → (tokens computed before this step, tokens scheduled)
+    prefill_chunks: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.message.num_scheduled_tokens.values())
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        # ids the workers must drop state for (finished, aborted or preempted)
+        self._finished_for_workers: list[str] = []
+        self._step_id = 0
+        self.num_preemptions = 0  # since the last stats
+        self.num_preemptions_total = 0
+
+    # -- intake ----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests (abort, stop string hit by the client, ...); their blocks return
+        to the pool at once. Unknown or already finished ids are ignored."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free(request, status)
+            finished.append(request)
+        return finished
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.num_tokens_sent_to_workers is not None:
+            self._finished_for_workers.append(request.request_id)
+            request.num_tokens_sent_to_workers = None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_for_workers)
+
+    # -- scheduling ------------------------------------------------------------------
+
+    def _pick_waiting(self) -> Request:
+        policy = self.config.scheduling_policy
+        if policy == "priority":
+            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        if policy == "lpm":
+            # Longest cached prefix first (pure probe: no stats, nothing published).
+            return max(self.waiting, key=self.kv.num_matched_prefix_tokens)
+        return self.waiting[0]
+
+    def _pick_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]  # newest
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.prefix_stats_recorded = False  # resumption is a new admission
+        if victim.num_tokens_sent_to_workers is not None:
+            self._finished_for_workers.append(victim.request_id)
+            victim.num_tokens_sent_to_workers = None
+        self.waiting.insert(0, victim)
+        self.num_preemptions += 1
+        self.num_preemptions_total += 1
+
+    def schedule(self) -> ScheduledStep:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled: list[Request] = []
+
+        # 1. Running requests: each advances by what it needs, within the budget.
+        preempted_any = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                block_ids = self.kv.allocate_slots(request, num_new)
+                if block_ids is not None:
+                    break
+                victim = self._pick_victim()
+                if victim.request_id in num_scheduled:  # already scheduled this step: undo
+                    budget += num_scheduled.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id, None)
+                    scheduled.remove(victim)
+                    i -= 1
+                self._preempt(victim)
+                preempted_any = True
+                if victim is request:
+                    break
+            if block_ids is None:
+                continue  # ``request`` itself was preempted; ``i`` now points past it
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = block_ids
+            scheduled.append(request)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, in policy order, while budget and blocks allow.
+        while (
+            not preempted_any
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self._pick_waiting()
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            num_reserved = 0
+            if self.config.reserve_full_sequence:
+                full = request.num_prompt_tokens + request.max_tokens
+                num_reserved = max(0, full - num_hit - num_new)
+            block_ids = self.kv.allocate_slots(request, num_new, computed_blocks, num_reserved)
+            if block_ids is None:
+                break  # peek and break: it waits for blocks to free up, never aborted
+            self.waiting.remove(request)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = block_ids
+            scheduled.append(request)
+            budget -= num_new
+
+        return self._build_step(scheduled, num_scheduled, new_block_ids)
+
+    def _build_step(
+        self,
+        scheduled: list[Request],
+        num_scheduled: dict[str, int],
+        new_block_ids: dict[str, list[int]],
+    ) -> ScheduledStep:
+        self._step_id += 1
+        new_requests, cached_requests = [], []
+        prefill_chunks = {}
+        for request in scheduled:
+            request_id = request.request_id
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                prefill_chunks[request_id] = (
+                    request.num_computed_tokens,
+                    num_scheduled[request_id],
+                )
+            if request.num_tokens_sent_to_workers is None:
+                new_requests.append(
+                    m.NewRequestData(
+                        request_id=request_id,
+                        token_ids=list(request.all_token_ids),
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        sampling_params=request.sampling_params,
+                        block_ids=self.kv.block_ids(request),
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            else:
+                cached_requests.append(
+                    m.CachedRequestData(
+                        request_id=request_id,
+                        new_token_ids=request.all_token_ids[request.num_tokens_sent_to_workers :],
+                        new_block_ids=new_block_ids[request_id],
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            request.num_tokens_sent_to_workers = request.num_tokens
+            request.num_computed_tokens += num_scheduled[request_id]
+        message = m.SchedulerOutput(
+            step_id=self._step_id,
+            new_requests=new_requests,
+            cached_requests=cached_requests,
+            num_scheduled_tokens=num_scheduled,
+            finished_request_ids=self._finished_for_workers,
+        )
+        self._finished_for_workers = []
+        return ScheduledStep(self._step_id, message, prefill_chunks)
+
+    # -- results ---------------------------------------------------------------------
+
+    def update_from_output(
+        self, step: ScheduledStep, result: m.ModelRunnerOutput
+    ) -> list[tuple[Request, m.RequestOutput]]:
+        """Append sampled tokens, apply stop rules, free finished requests.
+
+        Returns (request, output) for every request with news for its client.
+        """
+        outputs = []
+        logprobs = result.logprobs
+        top_logprobs = result.top_logprobs
+        for i, (request_id, token_id) in enumerate(
+            zip(result.request_ids, result.sampled_token_ids, strict=True)
+        ):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._free(request, status)
+            outputs.append(
+                (
+                    request,
+                    self._output(
+                        request,
+                        [token_id],
+                        [logprobs[i]] if logprobs is not None else None,
+                        [top_logprobs[i]] if top_logprobs is not None else None,
+                    ),
+                )
+            )
+        for request_id, error in result.errors.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status.is_finished:
+                continue
+            request.error = f"the model failed on this request: {error}"
+            self.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+            outputs.append((request, self._output(request, [])))
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        is_stop_token = token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in self.eos_token_ids
+        )
+        if is_stop_token and request.num_output_tokens >= params.min_tokens:
+            request.stop_token_id = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _output(
+        request: Request,
+        new_token_ids: list[int],
+        new_logprobs: list[float] | None = None,
+        new_top_logprobs: list[list[tuple[int, float]]] | None = None,
+    ) -> m.RequestOutput:
+        return m.RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=request.status.finish_reason,
+            stop_token_id=request.stop_token_id,
+            error=request.error,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            new_logprobs=new_logprobs,
+            new_top_logprobs=new_top_logprobs,
+        )
+
+    # -- stats -----------------------------------------------------------------------
+
+    def make_stats(self) -> m.SchedulerStats:
+        prefix = self.kv.take_stats()
+        stats = m.SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_free_blocks=self.kv.pool.num_free_blocks,
+            num_total_blocks=self.kv.pool.num_usable_blocks,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self.num_preemptions,
+            step_id=self._step_id,
+        )
+        self.num_preemptions = 0
+        return stats
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,71 @@
+"""Every ``VT_*`` environment variable vtllm reads, typed, in one place.
+
+Read them through ``envs.<NAME>`` (evaluated at access time, so tests can set them).
+Each one is documented in ``docs/ENVIRONMENT.md``; a test checks that.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _optional_float(name: str) -> float | None:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+
+
+def _float(name: str, default: float) -> float:
+    value = _optional_float(name)
+    return default if value is None else value
+
+
+def _cache_dir() -> Path:
+    value = os.environ.get("VT_CACHE_DIR", "").strip()
+    if value:
+        return Path(value).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "vtllm"
+
+
+_VARIABLES: dict[str, Callable[[], Any]] = {
+    # Where converted models (e.g. the embedded GGUF as safetensors) are cached.
+    "VT_CACHE_DIR": _cache_dir,
+    # Seconds between engine-core heartbeat log lines; unset or 0 = off.
+    "VT_ENGINE_STEP_LOG": lambda: _optional_float("VT_ENGINE_STEP_LOG"),
+    # Seconds between SSE keepalive comments while a stream waits for its first token.
+    "VT_SSE_KEEPALIVE_S": lambda: _float("VT_SSE_KEEPALIVE_S", 10.0),
+    # Bearer token required on /v1/* (same as --api-key).
+    "VT_API_KEY": lambda: os.environ.get("VT_API_KEY") or None,
+    # Seconds of silence after which a ZMQ peer (engine core or client) counts as dead.
+    "VT_HEARTBEAT_TIMEOUT_S": lambda: _float("VT_HEARTBEAT_TIMEOUT_S", 30.0),
+    # Seconds between heartbeats on the client/engine socket.
+    "VT_HEARTBEAT_INTERVAL_S": lambda: _float("VT_HEARTBEAT_INTERVAL_S", 2.0),
+    # Seconds the engine core waits for its workers to load and report before giving up.
+    "VT_WORKER_START_TIMEOUT_S": lambda: _float("VT_WORKER_START_TIMEOUT_S", 600.0),
+    # Log level of every vtllm process (DEBUG, INFO, WARNING, ERROR).
+    "VT_LOG_LEVEL": lambda: os.environ.get("VT_LOG_LEVEL", "INFO").upper(),
+    # Test hook: a worker sleeps this many seconds in every model execution.
+    "VT_TEST_WORKER_STEP_DELAY_S": lambda: _float("VT_TEST_WORKER_STEP_DELAY_S", 0.0),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VARIABLES:
+        return _VARIABLES[name]()
+    raise AttributeError(f"module 'vtllm.envs' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(_VARIABLES)
+
+
+def names() -> list[str]:
+    return sorted(_VARIABLES)

@@ -1,0 +1,263 @@
+"""The HTTP server: Starlette routes over a connected ``EngineClient``.
+
+Every error is answered in OpenAI shape ``{"error": {message, type, param, code}}``:
+bad JSON or a wrong field → 400 naming the field, unknown model → 404, a body over
+``--max-request-bytes`` → 413, engine dead → 503. A client mistake is never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+import vtllm
+from vtllm import envs
+from vtllm.config import VtllmConfig
+from vtllm.frontend.engine_client import EngineClient, EngineDeadError, HandshakeError
+from vtllm.frontend.generation import GenerationError, error_for
+from vtllm.frontend.openai_types import OpenAIError
+from vtllm.frontend.serving_chat import create_chat_completion
+from vtllm.frontend.serving_completion import create_completion
+from vtllm.frontend.serving_context import ServingContext, json_response, now_s
+from vtllm.frontend.tokenizer import ModelTokenizer
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[ServingContext, bytes, Callable[[], Awaitable[bool]]], Awaitable[Response]]
+
+
+def error_response(error: OpenAIError) -> Response:
+    return json_response(error.to_dict(), error.status_code)
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, refusing (413) more than ``max_bytes`` before reading it all."""
+    too_large = OpenAIError(
+        413,
+        f"request body is larger than {max_bytes} bytes; send less or raise --max-request-bytes",
+        "invalid_request_error",
+        code="request_too_large",
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _served_name(config: VtllmConfig, model_dir: str, engine: EngineClient) -> str:
+    if config.model.served_model_name:
+        return config.model.served_model_name
+    if config.model.model:
+        return config.model.model
+    if engine.ready is not None and engine.ready.model:
+        return engine.ready.model
+    return Path(model_dir).name
+
+
+def build_context(
+    config: VtllmConfig, model_dir: str, engine_client: EngineClient
+) -> ServingContext:
+    """Load the tokenizer and take the engine's limits from its ``Ready``."""
+    ready = engine_client.ready
+    if ready is None:
+        raise RuntimeError("build_app needs a connected engine client (call connect first)")
+    tokenizer = ModelTokenizer.from_dir(model_dir)
+    name = _served_name(config, model_dir, engine_client)
+    aliases = tuple({ready.model, config.model.model or "", Path(model_dir).name} - {"", name})
+    return ServingContext(
+        tokenizer=tokenizer,
+        engine=engine_client,
+        model_name=name,
+        max_model_len=ready.max_model_len,
+        vocab_size=ready.vocab_size or tokenizer.vocab_size,
+        default_max_tokens=config.frontend.default_max_tokens,
+        extra_stop_token_ids=[i for i in tokenizer.eos_token_ids if i not in ready.eos_token_ids],
+        model_aliases=aliases,
+    )
+
+
+def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) -> Starlette:
+    """The OpenAI-compatible app. ``engine_client`` must already be connected."""
+    ctx = build_context(config, model_dir, engine_client)
+    max_bytes = config.frontend.max_request_bytes
+    api_key = config.frontend.api_key or envs.VT_API_KEY
+
+    def check_auth(request: Request) -> None:
+        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise OpenAIError(
+                401,
+                "missing or wrong API key (Authorization: Bearer <key>)",
+                code="invalid_api_key",
+            )
+
+    def endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def run(request: Request) -> Response:
+            try:
+                check_auth(request)
+                body = await read_body(request, max_bytes)
+                if not engine_client.is_alive:
+                    raise EngineDeadError(engine_client.dead_reason or "not connected")
+                return await handler(ctx, body, request.is_disconnected)
+            except ClientDisconnect:
+                return Response(status_code=499)
+            except (OpenAIError, EngineDeadError, GenerationError) as e:
+                return error_response(error_for(e))
+
+        return run
+
+    async def models(request: Request) -> Response:
+        check_auth(request)
+        card = {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": now_s(),
+            "owned_by": "vtllm",
+            "root": model_dir,
+            "max_model_len": ctx.max_model_len,
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        if engine_client.is_alive:
+            return Response(status_code=200)
+        return error_response(
+            OpenAIError(
+                503,
+                f"engine core is not available: {engine_client.dead_reason or 'not connected'}",
+                "service_unavailable",
+            )
+        )
+
+    async def version(request: Request) -> Response:
+        return json_response({"version": vtllm.__version__})
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(OpenAIError(exc.status_code, str(exc.detail), kind))
+
+    async def on_openai_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, OpenAIError)
+        return error_response(exc)
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unexpected error on %s", request.url.path)
+        return error_response(error_for(exc))
+
+    routes = [
+        Route("/v1/chat/completions", endpoint(create_chat_completion), methods=["POST"]),
+        Route("/v1/completions", endpoint(create_completion), methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={
+            HTTPException: on_http_error,
+            OpenAIError: on_openai_error,
+            Exception: on_unexpected,
+        },
+    )
+    app.state.serving = ctx
+    return app
+
+
+def run_frontend(
+    config: VtllmConfig,
+    model_dir: str,
+    engine_address: str,
+    engine_alive: Callable[[], bool] | None = None,
+) -> int:
+    """Connect to the engine core and serve HTTP until SIGINT/SIGTERM (uvicorn's handling)
+    or engine death. Returns 0 after a clean stop, 1 if the engine died or never got ready."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle("VTLLM::Frontend")
+    except ImportError:  # pragma: no cover - optional at runtime
+        pass
+    return asyncio.run(_serve(config, model_dir, engine_address, engine_alive))
+
+
+@contextlib.contextmanager
+def _signals_recorded() -> Iterator[None]:
+    """uvicorn re-raises the SIGINT/SIGTERM it handled once it has stopped; with the
+    default handlers that would kill the process before the engine client says Goodbye.
+    Record them instead (main thread only: that is where signal handlers live)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+async def _serve(
+    config: VtllmConfig,
+    model_dir: str,
+    engine_address: str,
+    engine_alive: Callable[[], bool] | None,
+) -> int:
+    engine = EngineClient()
+    server: uvicorn.Server | None = None
+
+    def on_dead(reason: str) -> None:
+        logger.error("stopping the HTTP server: %s", reason)
+        if server is not None:
+            server.should_exit = True
+
+    try:
+        await engine.connect(
+            engine_address, f"frontend-{os.getpid()}", engine_alive=engine_alive, on_dead=on_dead
+        )
+    except HandshakeError as e:
+        logger.error("%s", e)
+        return 1
+    try:
+        app = build_app(config, model_dir, engine)
+        uv_config = uvicorn.Config(
+            app,
+            host=config.frontend.host,
+            port=config.frontend.port,
+            log_level=envs.VT_LOG_LEVEL.lower(),
+            timeout_graceful_shutdown=5,
+        )
+        server = uvicorn.Server(uv_config)
+        logger.info(
+            "serving %s on http://%s:%d",
+            app.state.serving.model_name,
+            uv_config.host,
+            uv_config.port,
+        )
+        with _signals_recorded():
+            await server.serve()
+        if not server.started and engine.dead_reason is None:
+            return 1  # could not bind the port (uvicorn logged why)
+    finally:
+        dead = engine.dead_reason is not None
+        await engine.close()
+    return 1 if dead else 0

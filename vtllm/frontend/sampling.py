@@ -1,0 +1,109 @@
+"""Pure request → ``SamplingParams`` pieces: max_tokens resolution and the admission guard.
+
+``max_tokens`` (or ``max_completion_tokens``) absent, null, 0 or negative means "unset":
+the serving default (``--default-max-tokens``) if configured, else None so the engine
+core resolves it to ``max_model_len - prompt tokens``. There is no hidden small constant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vtllm.frontend.openai_types import OpenAIError, _SamplingFields, bad_request
+from vtllm.protocol.messages import SamplingParams
+
+
+def explicit_max_tokens(requested: int | None) -> int | None:
+    """The user's limit if it is a real one (> 0), else None (unset)."""
+    return requested if requested is not None and requested > 0 else None
+
+
+def check_prompt_fits(
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    field: str = "max_tokens",
+    prompt_field: str = "prompt",
+) -> None:
+    """Admission guard. Raises OpenAIError(400) naming the prompt tokens, the requested
+    output tokens and max_model_len when the prompt leaves no room for output, or when
+    prompt + an explicit ``max_tokens`` exceeds ``max_model_len``."""
+    if num_prompt_tokens == 0:
+        raise bad_request("prompt is empty (0 tokens); send at least one token", prompt_field)
+    if num_prompt_tokens >= max_model_len or (
+        max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len
+    ):
+        if max_tokens is None:
+            message = (
+                f"prompt has {num_prompt_tokens} tokens, but max_model_len is {max_model_len} "
+                "and at least one output token must fit; shorten the prompt or raise "
+                "--max-model-len"
+            )
+            param = prompt_field
+        else:
+            message = (
+                f"prompt has {num_prompt_tokens} tokens and {field} is {max_tokens}, but "
+                f"max_model_len is {max_model_len}; shorten the prompt, lower {field}, or "
+                "raise --max-model-len"
+            )
+            param = field
+        raise OpenAIError(400, message, "invalid_request_error", param, "context_length_exceeded")
+
+
+def resolve_max_tokens(
+    requested: int | None,
+    default_max_tokens: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+) -> int | None:
+    """The ``SamplingParams.max_tokens`` to send: the explicit value, else the serving
+    default capped to the room left in the context, else None (engine decides)."""
+    explicit = explicit_max_tokens(requested)
+    if explicit is not None:
+        return explicit
+    if default_max_tokens is not None and default_max_tokens > 0:
+        return max(1, min(default_max_tokens, max_model_len - num_prompt_tokens))
+    return None
+
+
+def build_sampling_params(
+    request: _SamplingFields,
+    max_tokens: int | None,
+    seed: int | None,
+    extra_stop_token_ids: Sequence[int] = (),
+    logprobs: int | None = None,
+) -> SamplingParams:
+    """``SamplingParams`` for one engine request. ``extra_stop_token_ids`` (the model's eos
+    tokens the engine may not know of) are added unless the request ignores eos."""
+    stop_token_ids = list(request.stop_token_ids or [])
+    if not request.ignore_eos:
+        stop_token_ids += [i for i in extra_stop_token_ids if i not in stop_token_ids]
+    top_k = request.top_k if request.top_k is not None and request.top_k > 0 else 0
+    return SamplingParams(
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=top_k,
+        min_p=request.min_p or 0.0,
+        seed=seed,
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=request.ignore_eos,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=request.repetition_penalty or 1.0,
+        logprobs=logprobs,
+    )
+
+
+def choice_seed(seed: int | None, choice_idx: int) -> int | None:
+    """n > 1: each choice gets seed + i, so choices differ yet stay reproducible."""
+    return None if seed is None else seed + choice_idx
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, field: str = "prompt") -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(
+            f"token id {bad[0]} is out of range; the vocabulary has {vocab_size} tokens", field
+        )

@@ -1,0 +1,113 @@
+"""What every endpoint needs to serve: tokenizer, engine client and the engine's limits.
+
+Also the pieces both endpoints share: the model-name check, usage accounting, and
+waiting for a non-streaming result while watching for a client disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.responses import Response
+
+from vtllm.frontend.engine_client import EngineClient
+from vtllm.frontend.generation import ChoiceDelta
+from vtllm.frontend.openai_types import OpenAIError
+from vtllm.frontend.tokenizer import ModelTokenizer
+
+T = TypeVar("T")
+
+_DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ServingContext:
+    tokenizer: ModelTokenizer
+    engine: EngineClient
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    default_max_tokens: int | None = None
+    # eos ids of the tokenizer / generation config that the engine's Ready did not list
+    extra_stop_token_ids: list[int] = field(default_factory=list)
+    model_aliases: tuple[str, ...] = ()
+
+    def check_model(self, requested: str | None) -> None:
+        """None or a served name is fine; anything else is a 404."""
+        if requested is None or requested == self.model_name or requested in self.model_aliases:
+            return
+        raise OpenAIError(
+            404,
+            f"the model {requested!r} does not exist; this server serves {self.model_name!r}",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+
+
+_json = msgspec.json.Encoder()
+
+
+def json_response(content: Any, status_code: int = 200) -> Response:
+    """JSON via msgspec: non-finite floats (a -inf logprob) become null instead of
+    failing the response."""
+    return Response(_json.encode(content), status_code, media_type="application/json")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class UsageCounter:
+    """Token usage of one HTTP response: prompt tokens once per prompt, completion tokens
+    summed over every choice."""
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_completion_tokens = 0
+        self._cached_by_index: dict[int, int] = {}
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.num_completion_tokens += delta.num_new_tokens
+        if delta.num_cached_tokens:
+            self._cached_by_index[delta.index] = delta.num_cached_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_completion_tokens,
+            "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
+        }
+        if self._cached_by_index:
+            usage["prompt_tokens_details"] = {"cached_tokens": max(self._cached_by_index.values())}
+        return usage
+
+
+async def unless_disconnected(
+    work: Awaitable[T], is_disconnected: Callable[[], Awaitable[bool]]
+) -> T:
+    """Await ``work``; if the client goes away first, cancel it (which aborts its engine
+    requests) and raise OpenAIError(499)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise OpenAIError(499, "client disconnected", "client_closed_request")
+    finally:
+        if not task.done():
+            task.cancel()

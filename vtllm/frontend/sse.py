@@ -1,0 +1,68 @@
+"""Server-sent events: the wire format and the keepalive-aware delta stream.
+
+Events are ``data: {json}\\n\\n``; the stream ends with ``data: [DONE]\\n\\n``. While no
+delta has arrived yet (a long prefill), a ``: keepalive`` comment goes out every
+``VT_SSE_KEEPALIVE_S`` seconds (0 = off) so proxies and clients do not time out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from vtllm import envs
+from vtllm.frontend.generation import ChoiceDelta, ChoiceMerger, error_for
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_KEEPALIVE = b": keepalive\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+_json = msgspec.json.Encoder()
+
+
+def sse_event(payload: Any) -> bytes:
+    return b"data: " + _json.encode(payload) + b"\n\n"
+
+
+class KeepAlive:
+    """Marker yielded by ``deltas_with_keepalive`` when a keepalive comment is due."""
+
+
+KEEPALIVE = KeepAlive()
+
+
+async def deltas_with_keepalive(
+    merger: ChoiceMerger, keepalive_s: float | None = None
+) -> AsyncIterator[ChoiceDelta | KeepAlive]:
+    """The merger's deltas; before the first one, ``KEEPALIVE`` every ``keepalive_s``
+    seconds of waiting (default ``VT_SSE_KEEPALIVE_S``; <= 0 = no keepalives)."""
+    if keepalive_s is None:
+        keepalive_s = envs.VT_SSE_KEEPALIVE_S
+    first = True
+    while True:
+        if first and keepalive_s > 0:
+            try:
+                delta = await merger.get(timeout=keepalive_s)
+            except asyncio.TimeoutError:
+                yield KEEPALIVE
+                continue
+        else:
+            delta = await merger.get()
+        if delta is None:
+            return
+        first = False
+        yield delta
+
+
+def sse_error(exc: BaseException) -> bytes:
+    """An error event in OpenAI error shape (the stream closes after it)."""
+    error = error_for(exc)
+    if error.status_code >= 500:
+        logger.error("stream failed: %s", error.message)
+    return sse_event(error.to_dict())

@@ -1,0 +1,92 @@
+"""``vtllm serve``: resolve the model, start the engine core (which starts the workers),
+then run the HTTP frontend in this process until SIGTERM/SIGINT or engine death.
+
+Process tree (titles as ``ps`` shows them)::
+
+    VTLLM::Frontend          this process: uvicorn + Starlette
+    └─ VTLLM::EngineCore     scheduler loop, KV bookkeeping
+       ├─ VTLLM::Worker_TP0  model + KV cache on device 0
+       └─ VTLLM::Worker_TP1  ...
+
+Every child dies with its parent (PR_SET_PDEATHSIG), and the ipc sockets live in a private
+runtime directory removed on exit, so nothing is orphaned or left stale.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+
+from vtllm import envs
+from vtllm.config import VtllmConfig
+from vtllm.engine_core.core_proc import run_engine_core
+from vtllm.log import configure_logging
+from vtllm.process import set_process_title
+from vtllm.protocol import transport
+
+logger = logging.getLogger("vtllm.launch")
+
+EXIT_ENGINE_DIED = 3
+
+
+def resolve_model(config: VtllmConfig) -> str:
+    """The HF-style model directory to serve (converting a GGUF once, cached)."""
+    from vtllm.worker.loader.gguf_convert import resolve_model_dir
+
+    return str(resolve_model_dir(config.model.model, envs.VT_CACHE_DIR, progress=logger.info))
+
+
+def start_engine_core(
+    config: VtllmConfig, model_dir: str, runtime_dir
+) -> tuple[multiprocessing.process.BaseProcess, str]:
+    """Spawn the engine-core process; returns it and the address clients connect to."""
+    client_address = transport.ipc_address(runtime_dir, "engine.sock")
+    worker_address = transport.ipc_address(runtime_dir, "workers.sock")
+    dist_init_address = f"tcp://127.0.0.1:{transport.free_tcp_port()}"
+    ctx = multiprocessing.get_context("spawn")
+    process = ctx.Process(
+        target=run_engine_core,
+        args=(config.to_bytes(), model_dir, client_address, worker_address, dist_init_address),
+        name="VTLLM::EngineCore",
+        daemon=False,  # it starts worker processes of its own
+    )
+    process.start()
+    return process, client_address
+
+
+def stop_process(process: multiprocessing.process.BaseProcess, timeout_s: float = 10.0) -> None:
+    if process.is_alive():
+        process.terminate()  # SIGTERM: the engine core stops its workers and exits
+        process.join(timeout_s)
+    if process.is_alive():
+        logger.warning("engine core did not stop within %.0fs; killing it", timeout_s)
+        process.kill()
+        process.join(5)
+
+
+def serve(config: VtllmConfig) -> int:
+    """Run until stopped. Exit code 0 on a clean stop, non-zero if the engine died or
+    refused to start (so systemd's Restart=on-failure restarts it)."""
+    set_process_title("VTLLM::Frontend")
+    configure_logging("VTLLM::Frontend")
+    from vtllm.frontend.app import run_frontend
+
+    model_dir = resolve_model(config)
+    runtime_dir = transport.make_runtime_dir()
+    engine = None
+    try:
+        engine, client_address = start_engine_core(config, model_dir, runtime_dir)
+        code = run_frontend(
+            config,
+            model_dir,
+            client_address,
+            engine_alive=engine.is_alive,
+        )
+        if not engine.is_alive() and engine.exitcode not in (0, None):
+            logger.error("engine core exited with code %s", engine.exitcode)
+            code = code or engine.exitcode or EXIT_ENGINE_DIED
+        return code
+    finally:
+        if engine is not None:
+            stop_process(engine)
+        transport.remove_runtime_dir(runtime_dir)

@@ -1,0 +1,38 @@
+"""What every process vtllm spawns does first: name itself, die with its parent, log."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import signal
+import sys
+
+from vtllm.log import configure_logging
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Linux: deliver ``sig`` to this process when its parent exits (even by SIGKILL), so
+    a crashed server never leaves orphan engine cores or workers holding a GPU."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def set_process_title(title: str) -> None:
+    """Visible in ``ps`` (cmdline and, truncated to 15 chars, comm)."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+        setproctitle.setthreadtitle(title[:15])
+    except ImportError:
+        pass
+
+
+def become_child_process(title: str) -> None:
+    die_with_parent()
+    set_process_title(title)
+    configure_logging(title)

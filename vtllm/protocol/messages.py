@@ -1,0 +1,273 @@
+"""Every message that crosses a process boundary in vtllm.
+
+Two channels, each with its own tagged union (msgpack arrays whose first element is the
+tag, so a peer can tell kinds apart and reject the unknown):
+
+* client ⇄ engine core (ZMQ DEALER ⇄ ROUTER):
+  client → engine: ``Hello``, ``AddRequest``, ``AbortRequests``, ``UtilityRequest``,
+  ``Heartbeat``, ``Goodbye``;
+  engine → client: ``Ready``, ``HandshakeRefused``, ``EngineOutputs``, ``UtilityResponse``,
+  ``Heartbeat``, ``EngineDead``.
+* engine core ⇄ workers (ZMQ ROUTER ⇄ DEALER, identity ``rank-N``):
+  worker → engine: ``WorkerReport`` (start-up: model facts and usable KV bytes),
+  ``WorkerReady``, ``ModelRunnerOutput`` (rank 0 only), ``WorkerFailure``;
+  engine → worker: ``InitKVCache``, ``SchedulerOutput``, ``Shutdown``.
+
+Wire compatibility: new fields are appended at the end with a default, so an older peer's
+shorter arrays still decode; anything else bumps ``PROTOCOL_VERSION``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class _Message(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    """Base of every top-level message: encoded as ``[tag, field, field, ...]``."""
+
+
+class _Part(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Base of the structs nested inside messages (no tag)."""
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended. Sent as an int on the wire."""
+
+    STOP = 0  # a stop token (EOS or stop_token_ids) was sampled
+    LENGTH = 1  # max_tokens reached, or max_model_len reached
+    ABORT = 2  # aborted by its client (or its client went away)
+    ERROR = 3  # refused or failed; ``RequestOutput.error`` says why
+
+    @property
+    def openai_name(self) -> str:
+        return ("stop", "length", "abort", "error")[self]
+
+
+# ---------------------------------------------------------------------------------------
+# Shared parts
+
+
+class SamplingParams(_Part):
+    """How to pick each next token. Validated by whoever builds it (frontend) and again by
+    the engine core (clients may bypass the frontend).
+
+    ``max_tokens`` None means unset: the engine core resolves it to
+    ``max_model_len - num_prompt_tokens``.
+    """
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    seed: int | None = None  # per-request generator; None = engine's shared generator
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None = none; 0 = chosen token only; N = plus top-N
+
+
+class SchedulerStats(_Part):
+    """A snapshot of the engine core, attached to outputs at most once per step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable blocks in use, 0..1
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens queried since the previous stats (delta)
+    prefix_cache_hits: int = 0  # tokens hit since the previous stats (delta)
+    num_preemptions: int = 0  # preemptions since the previous stats (delta)
+    step_id: int = 0
+
+
+# ---------------------------------------------------------------------------------------
+# Client ⇄ engine core
+
+
+class Hello(_Message, tag="hello"):
+    protocol_version: int
+    client_name: str
+
+
+class Ready(_Message, tag="ready"):
+    """The engine core's answer to ``Hello`` once its workers are up."""
+
+    protocol_version: int
+    model: str
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    eos_token_ids: list[int]
+    engine_id: str = ""
+
+
+class HandshakeRefused(_Message, tag="refused"):
+    reason: str
+
+
+class AddRequest(_Message, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0  # lower value = served first under --scheduling-policy priority
+    cache_salt: str | None = None
+
+
+class AbortRequests(_Message, tag="abort"):
+    request_ids: list[str]
+
+
+class UtilityRequest(_Message, tag="util"):
+    """A named call into the engine core (``reset_prefix_cache``, ``get_stats``, ...)."""
+
+    call_id: int
+    method: str
+    args: list[msgspec.Raw] = []
+
+
+class UtilityResponse(_Message, tag="util_result"):
+    call_id: int
+    ok: bool
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")  # msgpack nil
+    error: str | None = None
+
+
+class Heartbeat(_Message, tag="hb"):
+    timestamp: float
+
+
+class Goodbye(_Message, tag="bye"):
+    """A client leaving: the engine core aborts every request it still owns."""
+
+
+class RequestOutput(_Part):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None  # the stop token that ended it, if any
+    error: str | None = None  # set with FinishReason.ERROR
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # logprob of each new token, and (if asked) the top-N (token id, logprob) pairs
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class EngineOutputs(_Message, tag="outputs"):
+    outputs: list[RequestOutput]
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+
+
+class EngineDead(_Message, tag="dead"):
+    """The engine core is going down because of a failure; every request is lost."""
+
+    reason: str
+
+
+ClientToEngine = Hello | AddRequest | AbortRequests | UtilityRequest | Heartbeat | Goodbye
+EngineToClient = Ready | HandshakeRefused | EngineOutputs | UtilityResponse | Heartbeat | EngineDead
+
+
+# ---------------------------------------------------------------------------------------
+# Engine core ⇄ workers
+
+
+class ModelFacts(_Part):
+    """What the engine core needs to know of the model, reported by rank 0."""
+
+    model_name: str
+    vocab_size: int
+    max_position_embeddings: int  # the model's own context limit
+    eos_token_ids: list[int]
+    num_layers: int
+    kv_bytes_per_token: int  # all layers, K and V, on one rank
+
+
+class WorkerReport(_Message, tag="report"):
+    """Start-up: the model is loaded and memory profiled."""
+
+    rank: int
+    facts: ModelFacts
+    usable_kv_bytes: int  # bytes this rank can give to its KV cache
+
+
+class InitKVCache(_Message, tag="init_kv"):
+    num_blocks: int
+    block_size: int
+
+
+class WorkerReady(_Message, tag="worker_ready"):
+    rank: int
+
+
+class NewRequestData(_Part):
+    """A request the worker has not seen (or sees again after preemption): everything."""
+
+    request_id: str
+    token_ids: list[int]  # prompt, plus outputs so far when resumed after preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hit)
+
+
+class CachedRequestData(_Part):
+    """A request the worker already holds: only what changed since the last step."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens appended since last scheduled (sampled tokens)
+    new_block_ids: list[int]  # blocks appended to its block table
+    num_computed_tokens: int
+
+
+class SchedulerOutput(_Message, tag="step"):
+    """One step's work, broadcast to every rank.
+
+    For each request, ``num_scheduled_tokens[request_id]`` tokens starting at its
+    ``num_computed_tokens`` are computed this step. A request whose computed tokens then
+    reach the end of its known tokens gets one sampled token.
+    """
+
+    step_id: int
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    # finished, aborted or preempted since the last step: the worker drops their state
+    finished_request_ids: list[str] = []
+
+
+class ModelRunnerOutput(_Message, tag="step_result"):
+    """Rank 0's answer to a ``SchedulerOutput``: one sampled token per request that
+    reached the end of its known tokens, in ``request_ids`` order."""
+
+    step_id: int
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # per-request failures (the request ends with FinishReason.ERROR, the rest go on)
+    errors: dict[str, str] = {}
+
+
+class WorkerFailure(_Message, tag="worker_failure"):
+    rank: int
+    message: str
+
+
+class Shutdown(_Message, tag="shutdown"):
+    pass
+
+
+WorkerToEngine = WorkerReport | WorkerReady | ModelRunnerOutput | WorkerFailure
+EngineToWorker = InitKVCache | SchedulerOutput | Shutdown

@@ -1,0 +1,70 @@
+"""Rotary position embedding (rotate-half / NeoX layout, as HF Llama uses).
+
+Frequencies come from ``rope_theta`` and an optional scaling: ``default``, ``linear`` or
+``llama3``. Both the old (``rope_theta`` + ``rope_scaling``) and the transformers-5
+(``rope_parameters``) config.json spellings are read.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """``{"rope_type", "rope_theta", ...scaling fields}`` from either config spelling."""
+    params = dict(hf_config.get("rope_parameters") or {})
+    params.update(hf_config.get("rope_scaling") or {})
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params["type"]
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    return params
+
+
+def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """``[head_dim // 2]`` float32 inverse frequencies after scaling."""
+    theta = float(params["rope_theta"])
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        pass
+    elif rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, params)
+    else:
+        raise NotImplementedError(
+            f"rope scaling {rope_type!r} is not supported (default, linear, llama3 are)"
+        )
+    return inv_freq.float()
+
+
+def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by ``factor``, blend between."""
+    factor = float(params["factor"])
+    low = float(params["low_freq_factor"])
+    high = float(params["high_freq_factor"])
+    old_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each ``[num_tokens, 1, head_dim // 2]``, computed once per step."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # [num_tokens, head_dim // 2]
+    return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[num_tokens, num_heads, head_dim]`` by its positions' angles."""
+    x1, x2 = x.chunk(2, dim=-1)  # each [num_tokens, num_heads, head_dim // 2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

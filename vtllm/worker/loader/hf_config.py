@@ -1,0 +1,53 @@
+"""Reading a HF-style model directory's ``config.json`` and ``generation_config.json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vtllm.protocol.messages import ModelFacts
+
+
+def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; --model must be a HF-style model directory")
+    return json.loads(path.read_text())
+
+
+def eos_token_ids(model_dir: str | Path, hf_config: dict[str, Any]) -> list[int]:
+    """EOS ids from generation_config.json, else config.json; each may be an int or list."""
+    sources = [hf_config]
+    generation_path = Path(model_dir) / "generation_config.json"
+    if generation_path.is_file():
+        sources.insert(0, json.loads(generation_path.read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        if value is not None:
+            return [int(v) for v in (value if isinstance(value, list) else [value])]
+    return []
+
+
+def model_facts(
+    model_dir: str | Path,
+    hf_config: dict[str, Any],
+    model_name: str,
+    num_kv_heads_per_rank: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> ModelFacts:
+    """What rank ``r`` reports: ``kv_bytes_per_token = 2 × layers × kv_heads_per_rank ×
+    head_dim × dtype bytes`` (K and V of one token on this rank)."""
+    num_layers = hf_config["num_hidden_layers"]
+    element_bytes = torch.empty(0, dtype=dtype).element_size()
+    return ModelFacts(
+        model_name=model_name,
+        vocab_size=hf_config["vocab_size"],
+        max_position_embeddings=hf_config.get("max_position_embeddings", 4096),
+        eos_token_ids=eos_token_ids(model_dir, hf_config),
+        num_layers=num_layers,
+        kv_bytes_per_token=2 * num_layers * num_kv_heads_per_rank * head_dim * element_bytes,
+    )

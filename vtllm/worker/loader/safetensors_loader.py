@@ -1,0 +1,113 @@
+"""Stream weights from a HF-style directory of ``*.safetensors`` into a built model.
+
+Tensors are read one at a time (sharded files, any of bf16/fp16/fp32), renamed through
+the model's ``packed_modules_mapping`` and handed to each parameter's ``weight_loader``,
+which copies this rank's part and converts to the parameter's dtype. Peak extra memory
+is one checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from vtllm.worker.layers.linear import default_weight_loader
+
+
+class WeightLoadError(RuntimeError):
+    """The checkpoint does not match the model (missing, unexpected or misshapen tensors)."""
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of every ``*.safetensors`` file, sorted by file."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {model_dir}")
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_tensor(name)
+
+
+def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
+    """Fill every parameter of ``model`` from ``model_dir``.
+
+    Raises ``WeightLoadError`` listing missing and unexpected tensors (and shape errors).
+    Parameters shared by tying (the LM head of tied-embedding models) count as loaded
+    when their owner is.
+    """
+    params = dict(model.named_parameters())  # tied parameters appear once, first name
+    packed = getattr(model, "packed_modules_mapping", {})
+    ignored = getattr(model, "ignored_checkpoint_suffixes", ())
+    expected = _expected_shards(model, params)
+    loaded: set[tuple[str, str | int | None]] = set()
+    unexpected: list[str] = []
+    problems: list[str] = []
+    for name, tensor in iter_safetensors(model_dir):
+        if name.endswith(ignored):
+            continue
+        param_name, shard_id = _map_name(name, packed)
+        param = params.get(param_name)
+        if param is None:
+            if _is_tied_alias(model, param_name):
+                continue
+            unexpected.append(name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            with torch.no_grad():
+                if shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard_id)
+        except ValueError as e:
+            problems.append(f"{name}: {e}")
+            continue
+        loaded.add((param_name, shard_id))
+    missing = sorted(f"{p}[{s}]" if s is not None else p for p, s in expected - loaded)
+    if missing or unexpected or problems:
+        parts = [f"checkpoint in {model_dir} does not match the model"]
+        if missing:
+            parts.append(f"missing {len(missing)}: {', '.join(missing[:20])}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)}: {', '.join(sorted(unexpected)[:20])}")
+        if problems:
+            parts.append("; ".join(problems[:20]))
+        raise WeightLoadError("; ".join(parts))
+
+
+def _map_name(name: str, packed: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:
+    for checkpoint_part, (param_part, shard_id) in packed.items():
+        marker = f".{checkpoint_part}."
+        if marker in name:
+            return name.replace(marker, f".{param_part}."), shard_id
+    return name, None
+
+
+def _expected_shards(
+    model: nn.Module, params: dict[str, nn.Parameter]
+) -> set[tuple[str, str | int | None]]:
+    """Every (parameter, shard id) the checkpoint must provide."""
+    expected: set[tuple[str, str | int | None]] = set()
+    modules = dict(model.named_modules())
+    for name in params:
+        module_name = name.rsplit(".", 1)[0]
+        shard_ids = getattr(modules.get(module_name), "shard_ids", None)
+        if shard_ids is not None and len(shard_ids) > 1:
+            expected.update((name, s) for s in shard_ids)
+        else:
+            expected.add((name, None))
+    return expected
+
+
+def _is_tied_alias(model: nn.Module, param_name: str) -> bool:
+    """True for a checkpoint copy of a parameter the model ties to another (lm_head)."""
+    try:
+        model.get_parameter(param_name)
+    except AttributeError:
+        return False
+    return True

@@ -1,0 +1,185 @@
+"""Runs one rank's model over ``SchedulerOutput`` steps and samples (rank 0 reports).
+
+Flow of ``execute``::
+
+    SchedulerOutput ─ RequestStates.update ─ build_step (host arrays)
+        ─ to device ─ model.forward (writes KV, attends) ─ hidden[last tokens of samplers]
+        ─ compute_logits ─ Sampler ─ ModelRunnerOutput
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vtllm.protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from vtllm.worker.attention import build_attention_metadata
+from vtllm.worker.distributed import TPGroup
+from vtllm.worker.input_batch import RequestStates, StepBatch
+from vtllm.worker.loader.hf_config import load_hf_config
+from vtllm.worker.loader.safetensors_loader import load_safetensors
+from vtllm.worker.models import build_model
+from vtllm.worker.models.llama import KVCache
+from vtllm.worker.sampler import Sampler, SamplingBatch, advance_generator
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns the model, the KV cache, per-request state and the sampler of one rank."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        dtype: torch.dtype,
+        vocab_size: int,
+        seed: int,
+        is_driver: bool = True,
+    ) -> None:
+        """``is_driver`` (rank 0) samples and builds outputs; other ranks only compute."""
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.vocab_size = vocab_size
+        self.is_driver = is_driver
+        self.sampler = Sampler(seed, device)
+        self.states = RequestStates(self._make_generator)
+        self.kv_caches: list[KVCache] = []
+        self.block_size = 0
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+        tp: TPGroup | None = None,
+    ) -> ModelRunner:
+        """Build the model from ``config.json`` and load its safetensors; rank 0 drives."""
+        tp = tp or TPGroup()
+        hf_config = load_hf_config(model_dir)
+        model = build_model(hf_config, device, dtype, tp)
+        load_safetensors(model, model_dir)
+        return cls(model, device, dtype, hf_config["vocab_size"], seed, tp.rank == 0)
+
+    # -- KV cache -------------------------------------------------------------------
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        attn = self.model.model.layers[0].self_attn
+        return (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate K and V ``[num_blocks, block_size, kv_heads, head_dim]`` per layer."""
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in self.model.model.layers
+        ]
+        self.block_size = block_size
+
+    # -- steps ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Compute one step. Returns the output on the driver rank, None elsewhere."""
+        if not self.kv_caches:
+            raise RuntimeError("execute() before init_kv_cache()")
+        errors = self.states.update(step)
+        batch = self.states.build_step(step, self.block_size)
+        errors.update(batch.errors)
+        for request_id in errors:
+            self.states.drop(request_id)
+        sampled: dict[str, Any] = {}
+        if batch.num_tokens:
+            logits = self._forward_logits(batch)  # [num_sampling, vocab]
+            if self.is_driver and batch.sample_rows:
+                sampled = self._sample(batch, logits)
+        if not self.is_driver:
+            return None
+        return _make_output(step.step_id, batch, sampled, errors)
+
+    def _forward_logits(self, batch: StepBatch) -> torch.Tensor:
+        metadata = build_attention_metadata(
+            batch.query_lens, batch.seq_lens, batch.block_tables, self.block_size, self.device
+        )
+        input_ids = torch.from_numpy(batch.input_ids).to(self.device)
+        positions = torch.from_numpy(batch.positions).to(self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
+        logits_indices = torch.from_numpy(batch.logits_indices).to(self.device)
+        return self.model.compute_logits(hidden.index_select(0, logits_indices))
+
+    def _sample(self, batch: StepBatch, logits: torch.Tensor) -> dict[str, Any]:
+        states = [self.states.get(batch.request_ids[row]) for row in batch.sample_rows]
+        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        sampling_batch = SamplingBatch.from_params(
+            [s.sampling_params for s in states], generators, self.vocab_size, self.device
+        )
+        out = self.sampler(logits, sampling_batch)
+        result: dict[str, Any] = {"ids": out.sampled.tolist()}
+        if out.logprobs is not None:
+            result["logprobs"] = out.logprobs.tolist()
+            result["top_ids"] = out.top_ids.tolist()
+            result["top_logprobs"] = out.top_logprobs.tolist()
+            result["num_top"] = [s.sampling_params.logprobs for s in states]
+        return result
+
+    def _make_generator(self, params: SamplingParams, num_outputs: int) -> torch.Generator | None:
+        if params.seed is None or not self.is_driver:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed)
+        if params.temperature > 0.0:
+            advance_generator(generator, self.vocab_size, num_outputs)
+        return generator
+
+    # -- start-up -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int, num_sampling_rows: int = 1) -> None:
+        """One forward of a single ``num_tokens`` prefill plus logits and sampling of
+        ``num_sampling_rows`` rows, writing KV only into block 0.. of the cache (which
+        the engine overwrites before reading). Used for memory profiling and warm-up."""
+        if not self.kv_caches:
+            raise RuntimeError("dummy_run() needs a KV cache")
+        num_blocks = -(-num_tokens // self.block_size)
+        metadata = build_attention_metadata(
+            [num_tokens], [num_tokens], [list(range(num_blocks))], self.block_size, self.device
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        rows = hidden[-1:].expand(num_sampling_rows, -1)
+        logits = self.model.compute_logits(rows)
+        greedy = SamplingParams(temperature=0.0)
+        params = [greedy] * num_sampling_rows
+        self.sampler(logits, SamplingBatch.from_params(params, {}, self.vocab_size, self.device))
+
+
+def _make_output(
+    step_id: int, batch: StepBatch, sampled: dict[str, Any], errors: dict[str, str]
+) -> ModelRunnerOutput:
+    request_ids = [batch.request_ids[row] for row in batch.sample_rows]
+    output = ModelRunnerOutput(
+        step_id=step_id,
+        request_ids=request_ids,
+        sampled_token_ids=sampled.get("ids", []),
+        errors=errors,
+    )
+    if "logprobs" in sampled:
+        output.logprobs = sampled["logprobs"]
+        output.top_logprobs = [
+            list(zip(ids[:n], lps[:n], strict=True)) if n else []
+            for ids, lps, n in zip(
+                sampled["top_ids"], sampled["top_logprobs"], sampled["num_top"], strict=True
+            )
+        ]
+    return output

@@ -1,0 +1,113 @@
+"""The one place in vtllm that knows which accelerator it runs on.
+
+CUDA, ROCm (a CUDA build of torch with ``torch.version.hip`` set) and CPU differ in
+device strings, the ``torch.distributed`` backend, the default dtype and how memory is
+queried. Everything else in vtllm asks this module and never calls ``torch.cuda.*``.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+class PlatformKind(enum.Enum):
+    CUDA = "cuda"
+    ROCM = "rocm"
+    CPU = "cpu"
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What the worker of one rank runs on. Build it with ``detect_platform(rank)``."""
+
+    kind: PlatformKind
+    device: torch.device
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind is not PlatformKind.CPU
+
+    @property
+    def dist_backend(self) -> str:
+        """``nccl`` on CUDA and ROCm (RCCL answers to the same name), ``gloo`` on CPU."""
+        return "nccl" if self.is_gpu else "gloo"
+
+    def resolve_dtype(self, name: str) -> torch.dtype:
+        """``--dtype`` → torch dtype. ``auto`` is bfloat16 on GPU and float32 on CPU."""
+        if name == "auto":
+            return torch.bfloat16 if self.is_gpu else torch.float32
+        if name not in _DTYPES:
+            raise ValueError(
+                f"--dtype {name!r} is not supported; use auto, float32, float16 or bfloat16"
+            )
+        return _DTYPES[name]
+
+    def set_device(self) -> None:
+        if self.is_gpu:
+            torch.cuda.set_device(self.device)
+
+    def synchronize(self) -> None:
+        if self.is_gpu:
+            torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        if self.is_gpu:
+            torch.cuda.empty_cache()
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory. On CPU: available and total RAM."""
+        if self.is_gpu:
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(free), int(total)
+        page = os.sysconf("SC_PAGE_SIZE")
+        return page * os.sysconf("SC_AVPHYS_PAGES"), page * os.sysconf("SC_PHYS_PAGES")
+
+    def reset_peak_memory(self) -> None:
+        if self.is_gpu:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_memory_allocated(self) -> int:
+        """Peak bytes allocated by torch since the last reset (0 on CPU: not tracked)."""
+        if self.is_gpu:
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return 0
+
+    def memory_allocated(self) -> int:
+        if self.is_gpu:
+            return int(torch.cuda.memory_allocated(self.device))
+        return 0
+
+    def new_generator(self, seed: int) -> torch.Generator:
+        """A random generator on this device, seeded once."""
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        return generator
+
+
+def detect_platform(local_rank: int = 0) -> Platform:
+    """The platform of this process: GPU ``local_rank`` when one is visible, else CPU."""
+    if torch.cuda.is_available():
+        kind = PlatformKind.ROCM if torch.version.hip else PlatformKind.CUDA
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise RuntimeError(
+                f"rank {local_rank} needs GPU {local_rank} but only {count} are visible; "
+                "lower --tensor-parallel-size or expose more GPUs"
+            )
+        return Platform(kind, torch.device("cuda", local_rank))
+    return Platform(PlatformKind.CPU, torch.device("cpu"))
+
+
+def cpu_platform() -> Platform:
+    return Platform(PlatformKind.CPU, torch.device("cpu"))

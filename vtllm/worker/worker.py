@@ -1,0 +1,201 @@
+"""The worker process of one tensor-parallel rank: entry ``run_worker``.
+
+Start-up RPC with the engine core (ZMQ DEALER, identity ``rank-N``)::
+
+    worker                                   engine core
+      load model, profile memory
+      WorkerReport{rank, facts, usable_kv} ─▶
+                                          ◀─ InitKVCache{num_blocks, block_size}
+      allocate KV, warm up
+      WorkerReady{rank}                    ─▶
+                                          ◀─ SchedulerOutput   (every step, every rank)
+      ModelRunnerOutput (rank 0 only)      ─▶
+                                          ◀─ Shutdown          → exit 0
+
+Any exception sends ``WorkerFailure{rank, message}`` and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import zmq
+
+from vtllm import envs
+from vtllm.config import VtllmConfig
+from vtllm.protocol import codec
+from vtllm.protocol import messages as m
+from vtllm.worker.distributed import destroy_distributed, init_distributed
+from vtllm.worker.loader.hf_config import load_hf_config, model_facts
+from vtllm.worker.model_runner import ModelRunner
+from vtllm.worker.platform import Platform, detect_platform
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 1000
+_PR_SET_PDEATHSIG = 1
+
+
+class _ParentGone(RuntimeError):
+    pass
+
+
+def run_worker(
+    config_bytes: bytes,
+    model_dir: str,
+    rank: int,
+    world_size: int,
+    engine_address: str,
+    dist_init_address: str,
+) -> None:
+    """Process entry (spawned). Returns only by ``sys.exit``: 0 after ``Shutdown``."""
+    _set_process_identity(rank)
+    _configure_logging(rank)
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
+    socket.setsockopt(zmq.LINGER, 2000)
+    socket.connect(engine_address)
+    exit_code = 0
+    try:
+        config = VtllmConfig.from_bytes(config_bytes)
+        _serve(config, model_dir, rank, world_size, socket, dist_init_address)
+    except Exception as e:
+        logger.exception("worker rank %d failed", rank)
+        message = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
+        socket.send(codec.encode(m.WorkerFailure(rank=rank, message=message)))
+        exit_code = 1
+    finally:
+        socket.close()
+        context.term()
+        destroy_distributed()
+    sys.exit(exit_code)
+
+
+def _serve(
+    config: VtllmConfig,
+    model_dir: str,
+    rank: int,
+    world_size: int,
+    socket: zmq.Socket,
+    dist_init_address: str,
+) -> None:
+    platform = detect_platform(rank)
+    platform.set_device()
+    if not platform.is_gpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    tp = init_distributed(
+        rank, world_size, platform.dist_backend, dist_init_address, platform.device
+    )
+    dtype = platform.resolve_dtype(config.model.dtype)
+    hf_config = load_hf_config(model_dir)
+    started = time.monotonic()
+    runner = ModelRunner.from_model_dir(model_dir, platform.device, dtype, config.model.seed, tp)
+    logger.info("loaded %s (%s) in %.1fs", model_dir, dtype, time.monotonic() - started)
+    attn = runner.model.model.layers[0].self_attn
+    name = config.model.default_served_name(model_dir)
+    facts = model_facts(model_dir, hf_config, name, attn.num_kv_heads, attn.head_dim, dtype)
+    usable = _usable_kv_bytes(config, platform, runner, facts.max_position_embeddings)
+    socket.send(codec.encode(m.WorkerReport(rank=rank, facts=facts, usable_kv_bytes=usable)))
+
+    decoder = codec.engine_to_worker_decoder()
+    init = _receive(socket, decoder, (m.InitKVCache, m.Shutdown))
+    if isinstance(init, m.Shutdown):
+        return
+    runner.init_kv_cache(init.num_blocks, init.block_size)
+    runner.dummy_run(min(init.block_size, init.num_blocks * init.block_size))
+    socket.send(codec.encode(m.WorkerReady(rank=rank)))
+    logger.info("ready: %d KV blocks of %d tokens", init.num_blocks, init.block_size)
+
+    while True:
+        message = _receive(socket, decoder, (m.SchedulerOutput, m.Shutdown))
+        if isinstance(message, m.Shutdown):
+            logger.info("shutdown requested")
+            return
+        delay = envs.VT_TEST_WORKER_STEP_DELAY_S
+        if delay > 0:
+            time.sleep(delay)
+        output = runner.execute(message)
+        if output is not None:
+            socket.send(codec.encode(output))
+
+
+def _usable_kv_bytes(
+    config: VtllmConfig, platform: Platform, runner: ModelRunner, max_position: int
+) -> int:
+    """CPU: ``--kv-cache-memory``. GPU: utilisation × total − weights − peak activation
+    of a max-size dummy step (run over a temporary KV cache just big enough for it)."""
+    if not platform.is_gpu:
+        return config.cache.kv_cache_memory
+    block_size = config.cache.block_size
+    max_len = config.model.max_model_len or max_position
+    num_tokens = max(1, min(config.scheduler.max_num_batched_tokens, max_len))
+    platform.synchronize()
+    platform.empty_cache()
+    weights = platform.memory_allocated()
+    platform.reset_peak_memory()
+    runner.init_kv_cache(-(-num_tokens // block_size), block_size)
+    runner.dummy_run(num_tokens, config.scheduler.max_num_seqs)
+    platform.synchronize()
+    peak_activation = platform.peak_memory_allocated() - weights
+    runner.kv_caches = []
+    platform.empty_cache()
+    _, total = platform.memory_info()
+    usable = int(config.cache.gpu_memory_utilization * total) - weights - peak_activation
+    logger.info(
+        "memory: total %.2f GiB, weights %.2f GiB, peak activation %.2f GiB → KV %.2f GiB",
+        total / 2**30,
+        weights / 2**30,
+        peak_activation / 2**30,
+        usable / 2**30,
+    )
+    return max(0, usable)
+
+
+def _receive(socket: zmq.Socket, decoder: codec.Decoder, expected: tuple[type, ...]):
+    """Next message of an expected kind. Garbage and unexpected kinds are logged and
+    dropped; a vanished parent ends the wait."""
+    parent = os.getppid()
+    while True:
+        if not socket.poll(_POLL_MS):
+            if os.getppid() != parent:
+                raise _ParentGone("the engine core process went away")
+            continue
+        frame = socket.recv_multipart()[-1]  # tolerate an empty delimiter frame
+        try:
+            message = decoder.decode(frame)
+        except codec.ProtocolError as e:
+            logger.warning("dropped an undecodable frame from the engine core: %s", e)
+            continue
+        if isinstance(message, expected):
+            return message
+        logger.warning("dropped an unexpected %s", type(message).__name__)
+
+
+def _set_process_identity(rank: int) -> None:
+    """Name the process ``VTLLM::Worker_TP{rank}`` and die with the parent (Linux)."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"VTLLM::Worker_TP{rank}")
+    except ImportError:
+        pass
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _configure_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=envs.VT_LOG_LEVEL,
+        format=f"%(asctime)s %(levelname)s [worker tp{rank}] %(name)s: %(message)s",
+        force=True,
+    )
