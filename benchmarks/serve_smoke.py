@@ -93,7 +93,9 @@ def main() -> None:
         try:
             results[f"time_to_healthy_s_{label}"] = round(server.wait_healthy(600), 2)
             if label == "cached":
-                results.update(asyncio.run(measure(server.url, args.concurrency, args.output_tokens)))
+                results.update(
+                    asyncio.run(measure(server.url, args.concurrency, args.output_tokens))
+                )
         finally:
             server.stop()
     print(json.dumps(results, indent=2))

@@ -31,7 +31,9 @@ PACKAGE = ROOT / "vtllm"
 )
 def test_module_loads_no_torch(module):
     code = f"import sys, {module}; bad = [m for m in ('torch', 'triton') if m in sys.modules]; assert not bad, bad"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
 
 

@@ -60,10 +60,14 @@ def is_alive(pid: int) -> bool:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env: dict[str, str] | None = None, cache_dir: Path | None = None):
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, cache_dir: Path | None = None
+    ):
         self.port = free_port()
         self.args = ["serve", "--port", str(self.port), *args]
-        self.log_file = tempfile.NamedTemporaryFile(prefix="vtllm-serve-", suffix=".log", delete=False)
+        self.log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives with the server)
+            prefix="vtllm-serve-", suffix=".log", delete=False
+        )
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         if cache_dir is not None:
             self.env["VT_CACHE_DIR"] = str(cache_dir)
@@ -102,7 +106,9 @@ class ServerProcess:
         try:
             return self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"server still running after {timeout_s}s:\n{self.log()}") from None
+            raise AssertionError(
+                f"server still running after {timeout_s}s:\n{self.log()}"
+            ) from None
 
     def log(self) -> str:
         return Path(self.log_file.name).read_text(errors="replace")[-20000:]

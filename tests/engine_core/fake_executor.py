@@ -58,12 +58,18 @@ class FakeExecutor:
             # Reads of the cached prefix must find KV that was really written for the same
             # tokens; then write this chunk's KV.
             for pos in range(start):
-                slot = state.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+                slot = (
+                    state.block_ids[pos // self.block_size] * self.block_size
+                    + pos % self.block_size
+                )
                 assert self.kv_slots.get(slot) == tuple(state.token_ids[: pos + 1]), (
                     f"{request_id} reads never-computed KV at position {pos}"
                 )
             for pos in range(start, end):
-                slot = state.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+                slot = (
+                    state.block_ids[pos // self.block_size] * self.block_size
+                    + pos % self.block_size
+                )
                 self.kv_slots[slot] = tuple(state.token_ids[: pos + 1])
             state.num_computed_tokens = end
             if end == len(state.token_ids):

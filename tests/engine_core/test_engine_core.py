@@ -101,14 +101,14 @@ def test_stop_token_ends_request():
 def test_chunked_prefill_interleaves_with_decodes():
     core, executor = make_core(max_num_batched_tokens=8, num_blocks=128, max_model_len=256)
     add(core, "short", prompt_of(4, 1), max_tokens=20)
-    (_, first), = core.step()[0]  # "short" prefilled, now decoding
+    ((_, first),) = core.step()[0]  # "short" prefilled, now decoding
     add(core, "long", prompt_of(40, 2), max_tokens=3)
     steps_before = len(executor.steps)
     out = run_to_completion(core)
     out["short"].new_token_ids[:0] = first.new_token_ids
-    chunked_steps = [
-        s for s in executor.steps[steps_before:] if "long" in s.num_scheduled_tokens
-    ][:5]
+    chunked_steps = [s for s in executor.steps[steps_before:] if "long" in s.num_scheduled_tokens][
+        :5
+    ]
     # every step carries the decode of "short" next to a prefill chunk of "long"
     for step in chunked_steps:
         assert step.num_scheduled_tokens.get("short") == 1
@@ -148,11 +148,17 @@ def test_prefix_hit_reuses_blocks_and_gives_identical_output():
 def test_cache_salt_isolates_prefixes():
     shared = prompt_of(16, 5)
     core, _ = make_core()
-    core.add_request(b"c", m.AddRequest("a", shared, m.SamplingParams(max_tokens=1), cache_salt="x"))
+    core.add_request(
+        b"c", m.AddRequest("a", shared, m.SamplingParams(max_tokens=1), cache_salt="x")
+    )
     run_to_completion(core)
-    core.add_request(b"c", m.AddRequest("b", shared, m.SamplingParams(max_tokens=1), cache_salt="y"))
+    core.add_request(
+        b"c", m.AddRequest("b", shared, m.SamplingParams(max_tokens=1), cache_salt="y")
+    )
     assert run_to_completion(core)["b"].num_cached_tokens == 0
-    core.add_request(b"c", m.AddRequest("c", shared, m.SamplingParams(max_tokens=1), cache_salt="x"))
+    core.add_request(
+        b"c", m.AddRequest("c", shared, m.SamplingParams(max_tokens=1), cache_salt="x")
+    )
     assert run_to_completion(core)["c"].num_cached_tokens == 12
 
 
@@ -267,8 +273,16 @@ def test_abort_ignores_other_clients_requests():
     [
         ([], m.SamplingParams(), "prompt is empty"),
         ([5, VOCAB + 3], m.SamplingParams(), "outside the vocabulary"),
-        (list(range(3, 131)), m.SamplingParams(), "prompt has 128 tokens, but max_model_len is 128"),
-        (list(range(3, 103)), m.SamplingParams(max_tokens=50), "prompt has 100 tokens and max_tokens is 50"),
+        (
+            list(range(3, 131)),
+            m.SamplingParams(),
+            "prompt has 128 tokens, but max_model_len is 128",
+        ),
+        (
+            list(range(3, 103)),
+            m.SamplingParams(max_tokens=50),
+            "prompt has 100 tokens and max_tokens is 50",
+        ),
         ([5], m.SamplingParams(top_p=0.0), "top_p must be in (0, 1]"),
         ([5], m.SamplingParams(temperature=float("nan")), "temperature must be >= 0"),
     ],

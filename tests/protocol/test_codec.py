@@ -23,9 +23,13 @@ ENGINE_TO_CLIENT = [
     m.HandshakeRefused("old client"),
     m.EngineOutputs(
         [
-            m.RequestOutput("r1", [5, 6], m.FinishReason.STOP, stop_token_id=2, num_prompt_tokens=3),
+            m.RequestOutput(
+                "r1", [5, 6], m.FinishReason.STOP, stop_token_id=2, num_prompt_tokens=3
+            ),
             m.RequestOutput("r2", [], m.FinishReason.ERROR, error="too long"),
-            m.RequestOutput("r3", [9], new_logprobs=[-0.5], new_top_logprobs=[[(9, -0.5), (4, -1.0)]]),
+            m.RequestOutput(
+                "r3", [9], new_logprobs=[-0.5], new_top_logprobs=[[(9, -0.5), (4, -1.0)]]
+            ),
         ],
         m.SchedulerStats(num_running=1, kv_cache_usage=0.25),
         timestamp=3.0,
@@ -79,10 +83,27 @@ def test_golden_bytes_of_add_request():
     message = m.AddRequest("r1", [1, 2], m.SamplingParams(temperature=0.0, max_tokens=5))
     # [tag "add", "r1", [1, 2], params [13 fields], arrival_time, priority, cache_salt]
     assert codec.encode(message).hex() == (
-        "97" "a3616464" "a27231" "920102"
-        "9d" "cb0000000000000000" "cb3ff0000000000000" "00" "cb0000000000000000" "c0" "05"
-        "00" "90" "c2" "cb0000000000000000" "cb0000000000000000" "cb3ff0000000000000" "c0"
-        "cb0000000000000000" "00" "c0"
+        "97"
+        "a3616464"
+        "a27231"
+        "920102"
+        "9d"
+        "cb0000000000000000"
+        "cb3ff0000000000000"
+        "00"
+        "cb0000000000000000"
+        "c0"
+        "05"
+        "00"
+        "90"
+        "c2"
+        "cb0000000000000000"
+        "cb0000000000000000"
+        "cb3ff0000000000000"
+        "c0"
+        "cb0000000000000000"
+        "00"
+        "c0"
     )
 
 
@@ -90,8 +111,7 @@ def test_golden_bytes_of_engine_outputs():
     message = m.EngineOutputs([m.RequestOutput("a", [7], m.FinishReason.LENGTH)])
     # finish_reason LENGTH travels as the int 1
     assert codec.encode(message).hex() == (
-        "94" "a76f757470757473" "91" "99" "a161" "9107" "01" "c0c0" "00" "00" "c0c0"
-        "c0" "cb0000000000000000"
+        "94a76f7574707574739199a161910701c0c00000c0c0c0cb0000000000000000"
     )
 
 

@@ -24,7 +24,6 @@ import signal
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 import zmq
