@@ -97,6 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
         "tensor-parallel rank. Without --model: the embedded SmolLM2-135M-Instruct.",
     )
     add_config_arguments(serve)
+
+    from vtllm.bench import add_bench_arguments
+
+    bench = sub.add_parser("bench", help="benchmark the engine (no HTTP)")
+    bench_sub = bench.add_subparsers(dest="bench_kind", required=True)
+    for kind, text in (
+        ("latency", "batch-1 decode: time to first token and decode tok/s"),
+        ("throughput", "offline: N random prompts at once; output and total tok/s"),
+    ):
+        kind_parser = bench_sub.add_parser(kind, help=text, description=text)
+        add_bench_arguments(kind_parser)
+        add_config_arguments(kind_parser)
     return parser
 
 
@@ -112,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         from vtllm.launch import serve
 
         return serve(config)
+    if args.command == "bench":
+        config = config_from_args(args)
+        config.validate()
+        from vtllm.bench import run_bench
+
+        return run_bench(args.bench_kind, args, config)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -124,3 +124,41 @@ class ServerProcess:
             self.process.wait(5)
         except ProcessLookupError:
             pass
+
+
+def engine_address(server: ServerProcess) -> str:
+    """The engine core's client socket, as its start-up log line names it."""
+    import re
+
+    match = re.search(r"engine core ready at (ipc://\S+)", server.log())
+    assert match, server.log()
+    return match.group(1)
+
+
+def engine_utility(server: ServerProcess, method: str, timeout_s: float = 10.0):
+    """Call a utility method on the server's engine core over raw ZMQ (a second client)."""
+    import zmq
+
+    from vtllm.protocol import codec
+    from vtllm.protocol import messages as m
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(engine_address(server))
+    decoder = codec.engine_to_client_decoder()
+    try:
+        sock.send(codec.encode(m.Hello(m.PROTOCOL_VERSION, "test-utility")))
+        sock.send(codec.encode(m.UtilityRequest(1, method)))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not sock.poll(200):
+                continue
+            message = decoder.decode(sock.recv())
+            if isinstance(message, m.UtilityResponse) and message.call_id == 1:
+                assert message.ok, message.error
+                return codec.decode_value(message.result)
+        raise AssertionError(f"no answer to utility {method!r} within {timeout_s}s")
+    finally:
+        sock.send(codec.encode(m.Goodbye()))
+        sock.close(0)
+        ctx.term()

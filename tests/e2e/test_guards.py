@@ -15,7 +15,7 @@ import httpx
 import pytest
 import zmq
 
-from tests.e2e.server import ServerProcess
+from tests.e2e.server import ServerProcess, engine_address
 from vtllm.protocol import codec
 from vtllm.protocol import messages as m
 
@@ -63,12 +63,6 @@ def test_http_400_names_prompt_tokens_and_max_model_len(small_kv_server):
     assert re.search(r"prompt has \d+ tokens.*max_model_len is 704", message), message
 
 
-def _engine_address(server: ServerProcess) -> str:
-    match = re.search(r"engine core ready at (ipc://\S+)", server.log())
-    assert match, server.log()
-    return match.group(1)
-
-
 def test_direct_zmq_oversized_request_errors_while_others_are_served(small_kv_server):
     results: dict[str, object] = {}
 
@@ -82,7 +76,7 @@ def test_direct_zmq_oversized_request_errors_while_others_are_served(small_kv_se
     thread.start()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.connect(_engine_address(small_kv_server))
+    sock.connect(engine_address(small_kv_server))
     decoder = codec.engine_to_client_decoder()
     try:
         sock.send(codec.encode(m.Hello(m.PROTOCOL_VERSION, "raw-test")))
@@ -113,24 +107,46 @@ def test_direct_zmq_oversized_request_errors_while_others_are_served(small_kv_se
     assert results["http"].json()["choices"][0]["text"]
 
 
-def test_heartbeat_shows_idle_busy_and_stalled(smollm2_dir, vt_cache_dir):
+@pytest.fixture(scope="module")
+def slow_server(smollm2_dir, vt_cache_dir):
+    """Every model execution takes 1.5 s: a stand-in for long prefills / a stuck device."""
     srv = ServerProcess(
         "--kv-cache-memory",
         "64MiB",
         cache_dir=vt_cache_dir,
-        env={"VT_ENGINE_STEP_LOG": "0.3", "VT_TEST_WORKER_STEP_DELAY_S": "1.5"},
+        env={
+            "VT_ENGINE_STEP_LOG": "0.3",
+            "VT_TEST_WORKER_STEP_DELAY_S": "1.5",
+            "VT_SSE_KEEPALIVE_S": "0.4",
+        },
     ).start()
     try:
         srv.wait_healthy()
-        body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
-        response = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
-        assert response.status_code == 200
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and srv.log().count("state=idle") < 2:
-            time.sleep(0.2)
-        log = srv.log()
-        assert "state=idle running=0 waiting=0" in log
-        assert re.search(r"state=stalled running=1 waiting=0 steps=0 model_executions=0", log)
-        assert re.search(r"state=busy running=\d waiting=0 steps=1 model_executions=1", log)
+        yield srv
     finally:
         srv.stop()
+
+
+def test_heartbeat_shows_idle_busy_and_stalled(slow_server):
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    response = httpx.post(f"{slow_server.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and slow_server.log().count("state=idle") < 2:
+        time.sleep(0.2)
+    log = slow_server.log()
+    assert "state=idle running=0 waiting=0" in log
+    assert re.search(r"state=stalled running=1 waiting=0 steps=0 model_executions=0", log)
+    assert re.search(r"state=busy running=\d waiting=0 steps=1 model_executions=1", log)
+
+
+def test_sse_keepalives_while_waiting_for_first_token(slow_server):
+    body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "stream": True}
+    lines = []
+    with httpx.stream("POST", f"{slow_server.url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            lines.append(line)
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    keepalives = [line for line in lines[:first_data] if line == ": keepalive"]
+    assert len(keepalives) >= 2, lines[:first_data]
+    assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"

@@ -117,6 +117,10 @@ def validate_request(
         problems.append(f"min_tokens must be >= 0, got {params.min_tokens}")
     if params.logprobs is not None and not 0 <= params.logprobs <= 20:
         problems.append(f"logprobs must be in [0, 20], got {params.logprobs}")
+    if any(not 0 <= t < vocab_size for t in params.logit_bias):
+        problems.append(f"logit_bias keys must be token ids in [0, {vocab_size})")
+    if any(not -100.0 <= b <= 100.0 for b in params.logit_bias.values()):
+        problems.append("logit_bias values must be in [-100, 100]")
     if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
         problems.append(f"stop_token_ids must be in [0, {vocab_size})")
     if problems:

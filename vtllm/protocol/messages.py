@@ -72,6 +72,7 @@ class SamplingParams(_Part):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None = none; 0 = chosen token only; N = plus top-N
+    logit_bias: dict[int, float] = {}  # token id → added to its logit before sampling
 
 
 class SchedulerStats(_Part):

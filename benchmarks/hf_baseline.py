@@ -1,0 +1,111 @@
+"""The `transformers` `generate` baseline for `vtllm bench`, on the same model shape
+(random bf16 weights), the same random prompts and the same device, in the same run.
+
+    python3 benchmarks/hf_baseline.py --model-shape qwen3-0.6b latency
+    python3 benchmarks/hf_baseline.py --model-shape qwen3-0.6b throughput --num-prompts 64
+
+Latency: batch 1, `--input-len` prompt tokens, `--output-len` greedy tokens; decode tok/s
+excludes the prefill (a 1-token generate is timed separately and subtracted).
+Throughput: the first `--num-prompts` prompts of `vtllm bench throughput` (same seed and
+length ranges), left-padded into one static batch generating the longest requested output;
+only the requested output tokens count. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vtllm.bench import MODEL_SHAPES  # noqa: E402
+
+
+def build_model(shape: str):
+    config_dict = dict(MODEL_SHAPES[shape])
+    model_type = config_dict.pop("model_type")
+    config_dict.pop("architectures")
+    config = transformers.AutoConfig.for_model(model_type, **config_dict)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def timed_generate(model, input_ids, attention_mask, new_tokens: int) -> float:
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), required=True)
+    parser.add_argument("kind", choices=("latency", "throughput"))
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len-range", type=int, nargs=2, default=(100, 1024))
+    parser.add_argument("--output-len-range", type=int, nargs=2, default=(100, 1024))
+    args = parser.parse_args()
+    model = build_model(args.model_shape)
+    vocab = MODEL_SHAPES[args.model_shape]["vocab_size"]
+    rng = random.Random(0)
+    if args.kind == "latency":
+        ids = torch.tensor(
+            [[rng.randrange(10, vocab - 10) for _ in range(args.input_len)]], device="cuda"
+        )
+        mask = torch.ones_like(ids)
+        timed_generate(model, ids, mask, 8)  # warm-up
+        prefill = min(timed_generate(model, ids, mask, 1) for _ in range(3))
+        full = min(timed_generate(model, ids, mask, args.output_len) for _ in range(2))
+        result = {"decode_tok_s": round((args.output_len - 1) / (full - prefill), 1)}
+    else:
+        lo_in, hi_in = args.input_len_range
+        lo_out, hi_out = args.output_len_range
+        requests = []
+        for _ in range(args.num_prompts):  # the same draws, in the same order, as vtllm bench
+            prompt = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(lo_in, hi_in))]
+            requests.append((prompt, rng.randint(lo_out, hi_out)))
+        width = max(len(p) for p, _ in requests)
+        ids = torch.zeros((len(requests), width), dtype=torch.long, device="cuda")
+        mask = torch.zeros_like(ids)
+        for row, (prompt, _) in enumerate(requests):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        longest = max(o for _, o in requests)
+        wall = timed_generate(model, ids, mask, longest)
+        useful = sum(o for _, o in requests)
+        result = {
+            "num_prompts": len(requests),
+            "wall_s": round(wall, 2),
+            "output_tok_s": round(useful / wall, 1),
+            "total_tok_s": round((useful + sum(len(p) for p, _ in requests)) / wall, 1),
+        }
+    result.update(
+        kind=args.kind,
+        model=args.model_shape,
+        baseline="transformers.generate",
+        transformers=transformers.__version__,
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

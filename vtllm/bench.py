@@ -1,0 +1,253 @@
+"""``vtllm bench latency`` and ``vtllm bench throughput``: the real engine core and workers,
+driven over the protocol client with random token ids (no HTTP, no tokenizer).
+
+Models: ``--model DIR`` or ``--model-shape NAME`` (a config.json of a known model's shape,
+served with random weights: ``--load-format dummy`` is implied).
+
+Every figure is also stated against the memory-bandwidth roofline: the bytes a decode step
+must read (all weights once, plus each sequence's KV) over the device copy bandwidth
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from vtllm.config import VtllmConfig
+from vtllm.protocol import messages as m
+
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "eos_token_id": 151645,
+    },
+    "llama3-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "eos_token_id": 128009,
+    },
+}
+
+
+def write_shape_dir(shape: str) -> Path:
+    """A model directory holding only the config.json of ``shape``."""
+    directory = Path(tempfile.mkdtemp(prefix=f"vtllm-{shape}-"))
+    (directory / "config.json").write_text(json.dumps(MODEL_SHAPES[shape], indent=1))
+    return directory
+
+
+def model_bytes(hf: dict[str, Any], dtype_bytes: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token) from a config's shapes."""
+    h, inter, layers = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]
+    heads, kv_heads = (
+        hf["num_attention_heads"],
+        hf.get("num_key_value_heads", hf["num_attention_heads"]),
+    )
+    head_dim = hf.get("head_dim") or h // heads
+    per_layer = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2 + 3 * h * inter + 2 * h
+    embed = hf["vocab_size"] * h * (1 if hf.get("tie_word_embeddings") else 2)
+    params = layers * per_layer + embed + h
+    return params * dtype_bytes, 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def measure_copy_bandwidth(num_bytes: int = 2 * 1024**3, repeats: int = 10) -> float:
+    """Device memory bandwidth in bytes/s, from a large device-to-device copy (each copy
+    reads and writes ``num_bytes``: both count, as both move through HBM)."""
+    import torch
+
+    from vtllm.worker.platform import detect_platform
+
+    platform = detect_platform(0)
+    src = torch.empty(num_bytes // 2, dtype=torch.float16, device=platform.device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    platform.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    platform.synchronize()
+    elapsed = time.perf_counter() - started
+    del src, dst
+    platform.empty_cache()
+    # A copy reads and writes num_bytes each: the memory system moved 2 × num_bytes.
+    return 2 * num_bytes * repeats / elapsed
+
+
+def _engine(config: VtllmConfig, model_dir: str):
+    from vtllm.launch import start_engine_core
+    from vtllm.protocol import transport
+    from vtllm.protocol.client import EngineCoreClient
+
+    runtime_dir = transport.make_runtime_dir()
+    process, address = start_engine_core(config, model_dir, runtime_dir)
+    client = EngineCoreClient(address, "vtllm-bench", timeout_s=1800)
+    return process, client, runtime_dir
+
+
+def _random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(10, vocab - 10) for _ in range(length)]
+
+
+def bench_latency(client, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    rng = random.Random(0)
+    params = m.SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    runs = []
+    for i in range(args.num_iters + 1):  # the first is warm-up
+        request_id = f"lat-{i}-{uuid.uuid4().hex[:6]}"
+        started = time.perf_counter()
+        client.add_request(request_id, _random_prompt(rng, args.input_len, vocab), params)
+        stamps = []
+        for output in client.stream(request_id):
+            stamps.extend([time.perf_counter()] * len(output.new_token_ids))
+        if i:
+            runs.append((stamps[0] - started, (len(stamps) - 1) / (stamps[-1] - stamps[0])))
+    ttft = sorted(r[0] for r in runs)[len(runs) // 2]
+    tok_s = sorted(r[1] for r in runs)[len(runs) // 2]
+    return {"ttft_s": round(ttft, 4), "decode_tok_s": round(tok_s, 1)}
+
+
+def bench_throughput(client, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    rng = random.Random(0)
+    lo_in, hi_in = args.input_len_range
+    lo_out, hi_out = args.output_len_range
+    requests = []
+    for i in range(args.num_prompts):
+        prompt = _random_prompt(rng, rng.randint(lo_in, hi_in), vocab)
+        requests.append((f"tp-{i}", prompt, rng.randint(lo_out, hi_out)))
+    started = time.perf_counter()
+    for request_id, prompt, out_len in requests:
+        params = m.SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+        client.add_request(request_id, prompt, params)
+    unfinished = {r[0] for r in requests}
+    num_out = 0
+    first_step = None
+    while unfinished:
+        for output in client.get_outputs(1.0):
+            num_out += len(output.new_token_ids)
+            if output.finish_reason is not None:
+                unfinished.discard(output.request_id)
+                if output.finish_reason != m.FinishReason.LENGTH:
+                    raise RuntimeError(
+                        f"{output.request_id} ended with {output.finish_reason}: {output.error}"
+                    )
+        if first_step is None and client.latest_stats is not None:
+            first_step = client.latest_stats.step_id
+    wall = time.perf_counter() - started
+    num_in = sum(len(r[1]) for r in requests)
+    steps = client.latest_stats.step_id - (first_step or 0) if client.latest_stats else 0
+    # KV bytes read by decodes: each output token j of a request reads (input + j) tokens.
+    kv_tokens_read = sum(len(p) * o + o * (o - 1) // 2 for _, p, o in requests)
+    return {
+        "num_prompts": len(requests),
+        "wall_s": round(wall, 2),
+        "output_tok_s": round(num_out / wall, 1),
+        "total_tok_s": round((num_in + num_out) / wall, 1),
+        "input_tokens": num_in,
+        "output_tokens": num_out,
+        "engine_steps": steps,
+        "_kv_tokens_read": kv_tokens_read,
+    }
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model-shape", choices=sorted(MODEL_SHAPES), help="random weights of a known shape"
+    )
+    parser.add_argument("--input-len", type=int, default=32, help="latency: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="latency: output tokens")
+    parser.add_argument("--num-iters", type=int, default=3, help="latency: timed runs")
+    parser.add_argument("--num-prompts", type=int, default=256, help="throughput: prompts")
+    parser.add_argument(
+        "--input-len-range", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX")
+    )
+    parser.add_argument(
+        "--output-len-range", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX")
+    )
+    parser.add_argument("--no-roofline", action="store_true", help="skip the bandwidth measurement")
+
+
+def run_bench(kind: str, args: argparse.Namespace, config: VtllmConfig) -> int:
+    from vtllm.log import configure_logging
+
+    configure_logging("vtllm-bench")
+    if args.model_shape:
+        model_dir = str(write_shape_dir(args.model_shape))
+        config.model.load_format = "dummy"
+        config.model.served_model_name = config.model.served_model_name or args.model_shape
+    elif config.model.model:
+        model_dir = config.model.model
+    else:
+        from vtllm.launch import resolve_model
+
+        model_dir = resolve_model(config)
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    bandwidth = None if args.no_roofline else measure_copy_bandwidth()
+    process, client, runtime_dir = _engine(config, model_dir)
+    try:
+        from vtllm.worker.platform import detect_platform
+
+        torch_dtype = detect_platform(0).resolve_dtype(config.model.dtype)
+        dtype = str(torch_dtype).removeprefix("torch.")
+        weight_bytes, kv_per_token = model_bytes(hf, torch_dtype.itemsize)
+        vocab = client.ready.vocab_size
+        if kind == "latency":
+            result = bench_latency(client, args, vocab)
+            context = args.input_len + args.output_len / 2
+            step_bytes = weight_bytes + context * kv_per_token
+            if bandwidth:
+                result["roofline_tok_s"] = round(bandwidth / step_bytes, 1)
+                result["roofline_fraction"] = round(
+                    result["decode_tok_s"] / result["roofline_tok_s"], 3
+                )
+        else:
+            result = bench_throughput(client, args, vocab)
+            kv_read = result.pop("_kv_tokens_read") * kv_per_token
+            if bandwidth and result["engine_steps"]:
+                needed_s = (result["engine_steps"] * weight_bytes + kv_read) / bandwidth
+                result["roofline_fraction"] = round(needed_s / result["wall_s"], 3)
+        result.update(
+            kind=kind,
+            model=args.model_shape or model_dir,
+            dtype=dtype,
+            weight_gib=round(weight_bytes / 1024**3, 3),
+            copy_bandwidth_gb_s=round(bandwidth / 1e9, 1) if bandwidth else None,
+        )
+        print(json.dumps(result))
+        return 0
+    finally:
+        client.close()
+        from vtllm.launch import stop_process
+        from vtllm.protocol import transport
+
+        stop_process(process)
+        transport.remove_runtime_dir(runtime_dir)
