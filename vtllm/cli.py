@@ -98,6 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(serve)
 
+    headless = sub.add_parser(
+        "engine-core",
+        help="run the engine core and its workers without HTTP, for other frontends",
+        description="Run the engine core and its workers headless. Frontends connect with "
+        "`vtllm serve --engine-address ADDRESS` or vtllm.protocol.client (docs/PROTOCOL.md).",
+    )
+    add_config_arguments(headless)
+
+    keygen = sub.add_parser("keygen", help="make a CurveZMQ key file for a tcp:// engine address")
+    keygen.add_argument("--out", required=True, help="file to create (mode 0600)")
+
     from vtllm.bench import add_bench_arguments
 
     bench = sub.add_parser("bench", help="benchmark the engine (no HTTP)")
@@ -124,6 +135,26 @@ def main(argv: list[str] | None = None) -> int:
         from vtllm.launch import serve
 
         return serve(config)
+    if args.command == "engine-core":
+        config = config_from_args(args)
+        try:
+            config.validate()
+        except ValueError as e:
+            parser.error(str(e))
+        from vtllm.launch import engine_core
+
+        return engine_core(config)
+    if args.command == "keygen":
+        from pathlib import Path
+
+        from vtllm.protocol.transport import CurveKeys
+
+        out = Path(args.out)
+        if out.exists():
+            parser.error(f"{out} exists; refusing to overwrite a key file")
+        CurveKeys.generate().save(out)
+        print(f"wrote {out} (mode 0600): pass it to the engine core and to every client")
+        return 0
     if args.command == "bench":
         config = config_from_args(args)
         config.validate()

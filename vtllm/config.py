@@ -91,6 +91,12 @@ class ModelConfig:
         "lowered to what the KV cache can hold.",
     )
     seed: int = _opt(0, "Seed of the shared sampling generator (requests without a seed).")
+    load_format: str = _opt(
+        "auto",
+        "auto: load the weights from the model's files; dummy: random weights of the "
+        "configured shapes (benchmarks and tests; only config.json is read).",
+        choices=("auto", "dummy"),
+    )
 
     def default_served_name(self, model_dir: str) -> str:
         """The name clients use: --served-model-name, else the model's own name (a
@@ -145,8 +151,7 @@ class FrontendConfig:
     host: str = _opt("127.0.0.1", "Address the HTTP server listens on.")
     port: int = _opt(8000, "Port the HTTP server listens on.")
     api_key: str | None = _opt(
-        None, "If set, /v1/*, /tokenize and /detokenize require 'Authorization: Bearer <key>' "
-        "(or set VT_API_KEY).",
+        None, "If set, /v1/* requires 'Authorization: Bearer <key>' (or set VT_API_KEY)."
     )
     max_request_bytes: int = _opt(
         32 * 1024**2, "Largest accepted HTTP request body (size with unit).", kind="size"
@@ -165,12 +170,28 @@ class FrontendConfig:
 
 
 @dataclass
+class EngineEndpointConfig:
+    engine_address: str | None = _opt(
+        None,
+        "serve: connect to this already running engine core (started with `vtllm "
+        "engine-core`) instead of starting one. engine-core: the address to bind "
+        "(ipc://PATH or tcp://HOST:PORT; default: ipc:// in a private runtime dir).",
+    )
+    engine_curve_key_file: str | None = _opt(
+        None,
+        "CurveZMQ key file (from `vtllm keygen`) securing a tcp:// engine address; "
+        "required to bind a non-loopback address. Clients need the same file.",
+    )
+
+
+@dataclass
 class VtllmConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
+    engine: EngineEndpointConfig = field(default_factory=EngineEndpointConfig)
 
     def to_bytes(self) -> bytes:
         """JSON, to hand the config to a spawned process (never pickle)."""

@@ -66,12 +66,17 @@ def stop_process(process: multiprocessing.process.BaseProcess, timeout_s: float 
 
 def serve(config: VtllmConfig) -> int:
     """Run until stopped. Exit code 0 on a clean stop, non-zero if the engine died or
-    refused to start (so systemd's Restart=on-failure restarts it)."""
+    refused to start (so systemd's Restart=on-failure restarts it).
+
+    With ``--engine-address``: only the frontend, against a running ``vtllm engine-core``.
+    """
     set_process_title("VTLLM::Frontend")
     configure_logging("VTLLM::Frontend")
     from vtllm.frontend.app import run_frontend
 
     model_dir = resolve_model(config)
+    if config.engine.engine_address:
+        return run_frontend(config, model_dir, config.engine.engine_address)
     runtime_dir = transport.make_runtime_dir()
     engine = None
     try:
@@ -90,3 +95,24 @@ def serve(config: VtllmConfig) -> int:
         if engine is not None:
             stop_process(engine)
         transport.remove_runtime_dir(runtime_dir)
+
+
+def engine_core(config: VtllmConfig) -> int:
+    """``vtllm engine-core``: the engine core and its workers, headless, serving frontends
+    that connect over ZMQ (``vtllm serve --engine-address``, or ``vtllm.protocol.client``).
+    """
+    configure_logging("VTLLM::EngineCore")
+    model_dir = resolve_model(config)
+    runtime_dir = transport.make_runtime_dir()
+    address = config.engine.engine_address or transport.ipc_address(runtime_dir, "engine.sock")
+    worker_address = transport.ipc_address(runtime_dir, "workers.sock")
+    dist_init_address = f"tcp://127.0.0.1:{transport.free_tcp_port()}"
+    try:
+        run_engine_core(
+            config.to_bytes(), model_dir, address, worker_address, dist_init_address, headless=True
+        )
+    except SystemExit as e:
+        return int(e.code or 0)
+    finally:
+        transport.remove_runtime_dir(runtime_dir)
+    return 0

@@ -32,7 +32,18 @@ def set_process_title(title: str) -> None:
         pass
 
 
-def become_child_process(title: str) -> None:
-    die_with_parent()
+def become_child_process(title: str, controlled_by_parent: bool = False) -> None:
+    """Name the process, tie its life to its parent's, set up logging.
+
+    ``controlled_by_parent`` (workers): ignore SIGINT/SIGTERM — Ctrl-C and a
+    control-group SIGTERM reach every process at once, and a worker must not die before
+    its engine core has told it to stop — and die by SIGKILL with the parent instead.
+    """
+    if controlled_by_parent:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        die_with_parent(signal.SIGKILL)
+    else:
+        die_with_parent()
     set_process_title(title)
     configure_logging(title)

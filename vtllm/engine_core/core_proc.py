@@ -49,8 +49,16 @@ class ClientGone:
 class ClientChannel(threading.Thread):
     """Owns the client ROUTER socket: handshake, heartbeats, decode, send."""
 
-    def __init__(self, ctx: zmq.Context, address: str, ready: m.Ready, inbox: queue.Queue):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        ready: m.Ready,
+        inbox: queue.Queue,
+        curve_keys: transport.CurveKeys | None = None,
+    ):
         super().__init__(name="vtllm-client-io", daemon=True)
+        self.curve_keys = curve_keys
         self.ctx = ctx
         self.address = address
         self.ready = ready
@@ -65,6 +73,7 @@ class ClientChannel(threading.Thread):
     def run(self) -> None:
         router = transport.configure(self.ctx.socket(zmq.ROUTER))
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its name
+        authenticator = transport.secure_server(router, self.curve_keys)
         router.bind(self.address)
         self.bound.set()
         decoder = codec.client_to_engine_decoder()
@@ -109,6 +118,8 @@ class ClientChannel(threading.Thread):
         finally:
             router.close(linger=0)
             self._outbox.close(linger=0)
+            if authenticator is not None:
+                authenticator.stop()
             transport.unlink_ipc(self.address)
 
     def _send(self, router: zmq.Socket, identity: bytes, payload: bytes) -> None:
@@ -283,10 +294,29 @@ def run_engine_core(
     client_address: str,
     worker_address: str,
     dist_init_address: str,
+    headless: bool = False,
 ) -> None:
-    """Process entry. Exit codes: 0 clean stop, 2 start-up refused, 3 a worker died."""
-    become_child_process("VTLLM::EngineCore")
+    """Process entry. Exit codes: 0 clean stop, 2 start-up refused, 3 a worker died.
+
+    ``headless``: the engine core is the top process (``vtllm engine-core``), not a child
+    of ``vtllm serve``."""
+    if headless:
+        from vtllm.log import configure_logging
+        from vtllm.process import set_process_title
+
+        set_process_title("VTLLM::EngineCore")
+        configure_logging("VTLLM::EngineCore")
+    else:
+        become_child_process("VTLLM::EngineCore")
     config = VtllmConfig.from_bytes(config_bytes)
+    curve_keys = None
+    if config.engine.engine_curve_key_file:
+        curve_keys = transport.CurveKeys.load(config.engine.engine_curve_key_file)
+    try:
+        transport.check_bind_security(client_address, curve_keys)
+    except PermissionError as e:
+        logger.error("%s", e)
+        sys.exit(EXIT_START_FAILED)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -312,7 +342,7 @@ def run_engine_core(
     core = EngineCore(config, facts, executor)
     inbox: queue.Queue = queue.Queue()
     ctx = zmq.Context.instance()
-    channel = ClientChannel(ctx, client_address, ready, inbox)
+    channel = ClientChannel(ctx, client_address, ready, inbox, curve_keys)
     channel.start()
     channel.bound.wait(10)
     proc = EngineCoreProc(core, channel, inbox)

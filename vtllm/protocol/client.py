@@ -42,9 +42,13 @@ class EngineCoreClient:
         client_name: str = "vtllm-client",
         timeout_s: float = 60.0,
         context: zmq.Context | None = None,
+        curve_keys: transport.CurveKeys | None = None,
     ) -> None:
+        """Connect and handshake (raises ``HandshakeError``). ``curve_keys``: the engine's
+        key file (``transport.CurveKeys.load``) when it listens on a secured tcp:// address."""
         self._ctx = context or zmq.Context.instance()
         self._socket = transport.configure(self._ctx.socket(zmq.DEALER))
+        transport.secure_client(self._socket, curve_keys)
         self._socket.connect(address)
         self._decoder = codec.engine_to_client_decoder()
         self._pending: dict[str, deque[m.RequestOutput]] = defaultdict(deque)

@@ -10,6 +10,7 @@ Flow of ``execute``::
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,12 @@ from vtllm.protocol.messages import ModelRunnerOutput, SamplingParams, Scheduler
 from vtllm.worker.attention import build_attention_metadata
 from vtllm.worker.distributed import TPGroup
 from vtllm.worker.input_batch import RequestStates, StepBatch
+from vtllm.worker.loader.hf_config import eos_token_ids as read_eos_token_ids
 from vtllm.worker.loader.hf_config import load_hf_config
 from vtllm.worker.loader.safetensors_loader import load_safetensors
 from vtllm.worker.models import build_model
 from vtllm.worker.models.llama import KVCache
-from vtllm.worker.sampler import Sampler, SamplingBatch, advance_generator
+from vtllm.worker.sampler import Sampler, SamplingBatch, TokenHistory, advance_generator
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +42,19 @@ class ModelRunner:
         vocab_size: int,
         seed: int,
         is_driver: bool = True,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
-        """``is_driver`` (rank 0) samples and builds outputs; other ranks only compute."""
+        """``is_driver`` (rank 0) samples and builds outputs; other ranks only compute.
+        ``eos_token_ids`` (the model's) are held back while a request is under
+        ``min_tokens``."""
         self.model = model
         self.device = device
         self.dtype = dtype
         self.vocab_size = vocab_size
         self.is_driver = is_driver
         self.sampler = Sampler(seed, device)
+        self.eos_token_ids = list(eos_token_ids)
+        self.token_history = TokenHistory(vocab_size, device)  # for penalties
         self.states = RequestStates(self._make_generator)
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
@@ -60,13 +67,19 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int,
         tp: TPGroup | None = None,
+        load_format: str = "auto",
     ) -> ModelRunner:
-        """Build the model from ``config.json`` and load its safetensors; rank 0 drives."""
+        """Build the model from ``config.json`` and load its safetensors (``load_format``
+        ``dummy``: random weights instead, seeded by ``seed``); rank 0 drives."""
         tp = tp or TPGroup()
         hf_config = load_hf_config(model_dir)
         model = build_model(hf_config, device, dtype, tp)
-        load_safetensors(model, model_dir)
-        return cls(model, device, dtype, hf_config["vocab_size"], seed, tp.rank == 0)
+        if load_format == "dummy":
+            init_dummy_weights(model, seed)
+        else:
+            load_safetensors(model, model_dir)
+        eos_ids = read_eos_token_ids(model_dir, hf_config)
+        return cls(model, device, dtype, hf_config["vocab_size"], seed, tp.rank == 0, eos_ids)
 
     # -- KV cache -------------------------------------------------------------------
 
@@ -98,6 +111,7 @@ class ModelRunner:
         errors.update(batch.errors)
         for request_id in errors:
             self.states.drop(request_id)
+        self.token_history.retain(self.states)
         sampled: dict[str, Any] = {}
         if batch.num_tokens:
             logits = self._forward_logits(batch)  # [num_sampling, vocab]
@@ -120,8 +134,8 @@ class ModelRunner:
     def _sample(self, batch: StepBatch, logits: torch.Tensor) -> dict[str, Any]:
         states = [self.states.get(batch.request_ids[row]) for row in batch.sample_rows]
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        sampling_batch = SamplingBatch.from_params(
-            [s.sampling_params for s in states], generators, self.vocab_size, self.device
+        sampling_batch = SamplingBatch.from_requests(
+            states, generators, self.vocab_size, self.device, self.eos_token_ids, self.token_history
         )
         out = self.sampler(logits, sampling_batch)
         result: dict[str, Any] = {"ids": out.sampled.tolist()}
@@ -183,3 +197,17 @@ def _make_output(
             )
         ]
     return output
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Random weights of the right shapes: N(0, std) for matrices, 1 for norm weights
+    (so activations stay in range and benchmarks exercise realistic numerics)."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if param.dim() == 1:
+            param.fill_(1.0 if "norm" in name else 0.0)
+            continue
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.normal_(0.0, std, generator=generators[param.device])

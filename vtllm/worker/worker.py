@@ -17,10 +17,8 @@ Any exception sends ``WorkerFailure{rank, message}`` and exits non-zero.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import sys
 import time
 import traceback
@@ -30,6 +28,7 @@ import zmq
 
 from vtllm import envs
 from vtllm.config import VtllmConfig
+from vtllm.process import become_child_process
 from vtllm.protocol import codec
 from vtllm.protocol import messages as m
 from vtllm.worker.distributed import destroy_distributed, init_distributed
@@ -40,7 +39,6 @@ from vtllm.worker.platform import Platform, detect_platform
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 1000
-_PR_SET_PDEATHSIG = 1
 
 
 class _ParentGone(RuntimeError):
@@ -56,8 +54,7 @@ def run_worker(
     dist_init_address: str,
 ) -> None:
     """Process entry (spawned). Returns only by ``sys.exit``: 0 after ``Shutdown``."""
-    _set_process_identity(rank)
-    _configure_logging(rank)
+    become_child_process(f"VTLLM::Worker_TP{rank}", controlled_by_parent=True)
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
@@ -97,7 +94,9 @@ def _serve(
     dtype = platform.resolve_dtype(config.model.dtype)
     hf_config = load_hf_config(model_dir)
     started = time.monotonic()
-    runner = ModelRunner.from_model_dir(model_dir, platform.device, dtype, config.model.seed, tp)
+    runner = ModelRunner.from_model_dir(
+        model_dir, platform.device, dtype, config.model.seed, tp, config.model.load_format
+    )
     logger.info("loaded %s (%s) in %.1fs", model_dir, dtype, time.monotonic() - started)
     attn = runner.model.model.layers[0].self_attn
     name = config.model.default_served_name(model_dir)
@@ -177,24 +176,3 @@ def _receive(socket: zmq.Socket, decoder: codec.Decoder, expected: tuple[type, .
         if isinstance(message, expected):
             return message
         logger.warning("dropped an unexpected %s", type(message).__name__)
-
-
-def _set_process_identity(rank: int) -> None:
-    """Name the process ``VTLLM::Worker_TP{rank}`` and die with the parent (Linux)."""
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"VTLLM::Worker_TP{rank}")
-    except ImportError:
-        pass
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _configure_logging(rank: int) -> None:
-    logging.basicConfig(
-        level=envs.VT_LOG_LEVEL,
-        format=f"%(asctime)s %(levelname)s [worker tp{rank}] %(name)s: %(message)s",
-        force=True,
-    )
