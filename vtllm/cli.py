@@ -10,7 +10,7 @@ import types
 import typing
 from typing import Any
 
-from vtllm import __version__
+from vtllm import __version__, envs
 from vtllm.config import VtllmConfig, config_sections, parse_size
 
 
@@ -37,6 +37,13 @@ def _size(text: str) -> int:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=None,
+        help="log lines as text (default) or one JSON object per line, in every process "
+        "(same as VT_LOG_FORMAT)",
+    )
     config = VtllmConfig()
     for section_name, section in config_sections(config):
         group = parser.add_argument_group(section_name)
@@ -89,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> VtllmConfig:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vtllm", description="vtllm LLM serving engine")
     parser.add_argument("--version", action="version", version=f"vtllm {__version__}")
+
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve",
@@ -126,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "log_format", None):
+        envs.export("VT_LOG_FORMAT", args.log_format)  # inherited by every child process
     if args.command == "serve":
         config = config_from_args(args)
         try:

@@ -27,6 +27,13 @@ def _float(name: str, default: float) -> float:
     return default if value is None else value
 
 
+def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    value = os.environ.get(name, "").strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: choose one of {', '.join(choices)}")
+    return value
+
+
 def _cache_dir() -> Path:
     value = os.environ.get("VT_CACHE_DIR", "").strip()
     if value:
@@ -50,6 +57,8 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VT_HEARTBEAT_INTERVAL_S": lambda: _float("VT_HEARTBEAT_INTERVAL_S", 2.0),
     # Seconds the engine core waits for its workers to load and report before giving up.
     "VT_WORKER_START_TIMEOUT_S": lambda: _float("VT_WORKER_START_TIMEOUT_S", 600.0),
+    # Log line format of every vtllm process: text (default) or json (set by --log-format).
+    "VT_LOG_FORMAT": lambda: _choice("VT_LOG_FORMAT", ("text", "json"), "text"),
     # Log level of every vtllm process (DEBUG, INFO, WARNING, ERROR).
     "VT_LOG_LEVEL": lambda: os.environ.get("VT_LOG_LEVEL", "INFO").upper(),
     # Test hook: a worker sleeps this many seconds in every model execution.
@@ -65,6 +74,14 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(_VARIABLES)
+
+
+def export(name: str, value: str) -> None:
+    """Set a variable for this process and the processes it starts (e.g. a CLI flag that
+    every child must honour)."""
+    if name not in _VARIABLES:
+        raise KeyError(f"{name} is not a vtllm variable")
+    os.environ[name] = value
 
 
 def names() -> list[str]:

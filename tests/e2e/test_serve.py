@@ -110,3 +110,20 @@ def test_sigterm_stops_every_process(smollm2_dir, vt_cache_dir):
         assert not socket_path.parent.exists(), "stale ipc runtime dir"
     finally:
         srv.stop()
+
+
+def test_json_logs(smollm2_dir, vt_cache_dir):
+    import json
+
+    srv = ServerProcess(
+        "--kv-cache-memory", "64MiB", "--log-format", "json", cache_dir=vt_cache_dir
+    ).start()
+    try:
+        srv.wait_healthy()
+    finally:
+        srv.stop()
+    lines = [line for line in srv.log().splitlines() if line.strip()]
+    entries = [json.loads(line) for line in lines]  # every line is one JSON object
+    processes = {e["process"] for e in entries}
+    assert {"VTLLM::Frontend", "VTLLM::EngineCore", "VTLLM::Worker_TP0"} <= processes, processes
+    assert any("engine core ready" in e["message"] for e in entries)
