@@ -53,11 +53,49 @@ def timed_generate(model, input_ids, attention_mask, new_tokens: int) -> float:
     return time.perf_counter() - started
 
 
+def latency(model, args, vocab: int) -> dict:
+    rng = random.Random(0)
+    ids = torch.tensor(
+        [[rng.randrange(10, vocab - 10) for _ in range(args.input_len)]], device="cuda"
+    )
+    mask = torch.ones_like(ids)
+    timed_generate(model, ids, mask, 8)  # warm-up
+    prefill = min(timed_generate(model, ids, mask, 1) for _ in range(3))
+    full = min(timed_generate(model, ids, mask, args.output_len) for _ in range(2))
+    return {"kind": "latency", "decode_tok_s": round((args.output_len - 1) / (full - prefill), 1)}
+
+
+def throughput(model, args, vocab: int) -> dict:
+    rng = random.Random(0)
+    lo_in, hi_in = args.input_len_range
+    lo_out, hi_out = args.output_len_range
+    requests = []
+    for _ in range(args.num_prompts):  # the same draws, in the same order, as vtllm bench
+        prompt = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(lo_in, hi_in))]
+        requests.append((prompt, rng.randint(lo_out, hi_out)))
+    width = max(len(p) for p, _ in requests)
+    ids = torch.zeros((len(requests), width), dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for row, (prompt, _) in enumerate(requests):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    longest = max(o for _, o in requests)
+    wall = timed_generate(model, ids, mask, longest)
+    useful = sum(o for _, o in requests)
+    return {
+        "kind": "throughput",
+        "num_prompts": len(requests),
+        "wall_s": round(wall, 2),
+        "output_tok_s": round(useful / wall, 1),
+        "total_tok_s": round((useful + sum(len(p) for p, _ in requests)) / wall, 1),
+    }
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), required=True)
-    parser.add_argument("kind", choices=("latency", "throughput"))
+    parser.add_argument("kind", choices=("latency", "throughput", "all"))
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -66,45 +104,15 @@ def main() -> None:
     args = parser.parse_args()
     model = build_model(args.model_shape)
     vocab = MODEL_SHAPES[args.model_shape]["vocab_size"]
-    rng = random.Random(0)
-    if args.kind == "latency":
-        ids = torch.tensor(
-            [[rng.randrange(10, vocab - 10) for _ in range(args.input_len)]], device="cuda"
+    kinds = ("latency", "throughput") if args.kind == "all" else (args.kind,)
+    for kind in kinds:
+        result = (latency if kind == "latency" else throughput)(model, args, vocab)
+        result.update(
+            model=args.model_shape,
+            baseline="transformers.generate",
+            transformers=transformers.__version__,
         )
-        mask = torch.ones_like(ids)
-        timed_generate(model, ids, mask, 8)  # warm-up
-        prefill = min(timed_generate(model, ids, mask, 1) for _ in range(3))
-        full = min(timed_generate(model, ids, mask, args.output_len) for _ in range(2))
-        result = {"decode_tok_s": round((args.output_len - 1) / (full - prefill), 1)}
-    else:
-        lo_in, hi_in = args.input_len_range
-        lo_out, hi_out = args.output_len_range
-        requests = []
-        for _ in range(args.num_prompts):  # the same draws, in the same order, as vtllm bench
-            prompt = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(lo_in, hi_in))]
-            requests.append((prompt, rng.randint(lo_out, hi_out)))
-        width = max(len(p) for p, _ in requests)
-        ids = torch.zeros((len(requests), width), dtype=torch.long, device="cuda")
-        mask = torch.zeros_like(ids)
-        for row, (prompt, _) in enumerate(requests):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        longest = max(o for _, o in requests)
-        wall = timed_generate(model, ids, mask, longest)
-        useful = sum(o for _, o in requests)
-        result = {
-            "num_prompts": len(requests),
-            "wall_s": round(wall, 2),
-            "output_tok_s": round(useful / wall, 1),
-            "total_tok_s": round((useful + sum(len(p) for p, _ in requests)) / wall, 1),
-        }
-    result.update(
-        kind=args.kind,
-        model=args.model_shape,
-        baseline="transformers.generate",
-        transformers=transformers.__version__,
-    )
-    print(json.dumps(result))
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

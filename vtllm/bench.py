@@ -220,29 +220,30 @@ def run_bench(kind: str, args: argparse.Namespace, config: VtllmConfig) -> int:
         dtype = str(torch_dtype).removeprefix("torch.")
         weight_bytes, kv_per_token = model_bytes(hf, torch_dtype.itemsize)
         vocab = client.ready.vocab_size
-        if kind == "latency":
-            result = bench_latency(client, args, vocab)
-            context = args.input_len + args.output_len / 2
-            step_bytes = weight_bytes + context * kv_per_token
-            if bandwidth:
-                result["roofline_tok_s"] = round(bandwidth / step_bytes, 1)
-                result["roofline_fraction"] = round(
-                    result["decode_tok_s"] / result["roofline_tok_s"], 3
-                )
-        else:
-            result = bench_throughput(client, args, vocab)
-            kv_read = result.pop("_kv_tokens_read") * kv_per_token
-            if bandwidth and result["engine_steps"]:
-                needed_s = (result["engine_steps"] * weight_bytes + kv_read) / bandwidth
-                result["roofline_fraction"] = round(needed_s / result["wall_s"], 3)
-        result.update(
-            kind=kind,
-            model=args.model_shape or model_dir,
-            dtype=dtype,
-            weight_gib=round(weight_bytes / 1024**3, 3),
-            copy_bandwidth_gb_s=round(bandwidth / 1e9, 1) if bandwidth else None,
-        )
-        print(json.dumps(result))
+        for one_kind in ("latency", "throughput") if kind == "all" else (kind,):
+            if one_kind == "latency":
+                result = bench_latency(client, args, vocab)
+                context = args.input_len + args.output_len / 2
+                step_bytes = weight_bytes + context * kv_per_token
+                if bandwidth:
+                    result["roofline_tok_s"] = round(bandwidth / step_bytes, 1)
+                    result["roofline_fraction"] = round(
+                        result["decode_tok_s"] / result["roofline_tok_s"], 3
+                    )
+            else:
+                result = bench_throughput(client, args, vocab)
+                kv_read = result.pop("_kv_tokens_read") * kv_per_token
+                if bandwidth and result["engine_steps"]:
+                    needed_s = (result["engine_steps"] * weight_bytes + kv_read) / bandwidth
+                    result["roofline_fraction"] = round(needed_s / result["wall_s"], 3)
+            result.update(
+                kind=one_kind,
+                model=args.model_shape or model_dir,
+                dtype=dtype,
+                weight_gib=round(weight_bytes / 1024**3, 3),
+                copy_bandwidth_gb_s=round(bandwidth / 1e9, 1) if bandwidth else None,
+            )
+            print(json.dumps(result), flush=True)
         return 0
     finally:
         client.close()

@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     for kind, text in (
         ("latency", "batch-1 decode: time to first token and decode tok/s"),
         ("throughput", "offline: N random prompts at once; output and total tok/s"),
+        ("all", "latency, then throughput, on one engine start"),
     ):
         kind_parser = bench_sub.add_parser(kind, help=text, description=text)
         add_bench_arguments(kind_parser)

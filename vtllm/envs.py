@@ -61,6 +61,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VT_LOG_FORMAT": lambda: _choice("VT_LOG_FORMAT", ("text", "json"), "text"),
     # Log level of every vtllm process (DEBUG, INFO, WARNING, ERROR).
     "VT_LOG_LEVEL": lambda: os.environ.get("VT_LOG_LEVEL", "INFO").upper(),
+    # Attention implementation in the workers: auto (Triton on GPU, torch on CPU), torch, triton.
+    "VT_ATTENTION_BACKEND": lambda: _choice(
+        "VT_ATTENTION_BACKEND", ("auto", "torch", "triton"), "auto"
+    ),
     # Test hook: a worker sleeps this many seconds in every model execution.
     "VT_TEST_WORKER_STEP_DELAY_S": lambda: _float("VT_TEST_WORKER_STEP_DELAY_S", 0.0),
 }

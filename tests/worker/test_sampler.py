@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from vtllm.protocol.messages import SamplingParams
-from vtllm.worker.sampler import Sampler, SamplingBatch
+from vtllm.worker.sampler import Sampler, SamplingBatch, TokenHistory
 
 VOCAB = 50
 CPU = torch.device("cpu")
+
+
+@dataclass
+class _Request:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
 
 
 def _sample(logits, params, generators=None, seed=0):
@@ -110,3 +120,18 @@ def test_logprobs_are_log_softmax():
 def test_no_logprobs_unless_asked():
     out = _sample(_logits(2), [SamplingParams(temperature=0.0)] * 2)
     assert out.logprobs is None and out.top_ids is None
+
+
+def test_plain_rows_sample_exactly_the_exponential_race():
+    """With no bias, min_tokens or penalties the draw is bit-for-bit the reference:
+    ``argmax(softmax(logits / t) / E)``, E from the shared generator in row-major order."""
+    logits = _logits(5, seed=3)
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.5, 2.0])
+    params = [SamplingParams(temperature=t) for t in temperature.tolist()]
+    noise = torch.empty(5, VOCAB).exponential_(generator=torch.Generator().manual_seed(11))
+    expected = (torch.softmax(logits / temperature[:, None], -1) / noise).argmax(-1)
+    assert _sample(logits, params, seed=11).sampled.tolist() == expected.tolist()
+    history = TokenHistory(VOCAB, CPU)
+    requests = [_Request(str(i), [1, 2, 3], 2, p) for i, p in enumerate(params)]
+    batch = SamplingBatch.from_requests(requests, {}, VOCAB, CPU, [2], history)
+    assert Sampler(11, CPU)(logits, batch).sampled.tolist() == expected.tolist()

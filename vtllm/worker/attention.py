@@ -16,12 +16,16 @@ Batching: requests are split into a decode group (one query token each) and a pr
 group (chunks, possibly continuing a cached prefix); each group is padded to its longest
 query and attended with one ``scaled_dot_product_attention`` call, so there is no Python
 loop over requests or tokens.
+
+Sliding window ``w`` (Mistral, Gemma 3 local layers): the query at position ``p`` sees only
+keys ``p - w + 1 .. p``. Keys further back stay in the cache (no block is freed for a
+window); they are masked out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,14 +46,45 @@ class AttentionGroup:
     padded_idx: torch.Tensor  # [num_group_tokens] int64
     block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int64 (0-padded)
     mask: torch.Tensor  # [num_reqs, 1, max_query_len, max_num_blocks * block_size] bool
+    query_pos: torch.Tensor  # [num_reqs, max_query_len] int64 position of each query row
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``mask`` with keys at position ``<= query_pos - sliding_window`` also hidden
+        (built once per window size per step, then shared by the layers that use it)."""
+        if not sliding_window:
+            return self.mask
+        mask = self._window_masks.get(sliding_window)
+        if mask is None:
+            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            in_window = key_pos[None, None, :] > self.query_pos[:, :, None] - sliding_window
+            mask = self.mask & in_window.unsqueeze(1)
+            self._window_masks[sliding_window] = mask
+        return mask
+
+
+@dataclass
+class KernelInputs:
+    """The Triton kernels' view of a step (``kernels/paged_attention.py``)."""
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int32
+    max_seq_len: int  # host-side hint for the split-KV heuristic
 
 
 @dataclass
 class AttentionMetadata:
-    """Everything attention needs for one step, shared by all layers."""
+    """Everything attention needs for one step, shared by all layers.
+
+    ``backend`` "torch": ``groups`` (padded batches for the reference); "triton":
+    ``kernel_inputs`` (the kernels read block tables directly, no padding).
+    """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
     groups: list[AttentionGroup]
+    backend: str = "torch"
+    kernel_inputs: KernelInputs | None = None
 
 
 def build_attention_metadata(
@@ -58,11 +93,13 @@ def build_attention_metadata(
     block_tables: Sequence[Sequence[int]],
     block_size: int,
     device: torch.device,
+    backend: str = "torch",
 ) -> AttentionMetadata:
     """Metadata for requests whose tokens are laid out back to back in step order.
 
     Request ``r`` computes its tokens ``seq_lens[r] - query_lens[r] .. seq_lens[r] - 1``;
-    its block table must cover ``seq_lens[r]`` tokens.
+    its block table must cover ``seq_lens[r]`` tokens. ``backend``: "torch" (reference,
+    any device) or "triton" (GPU kernels).
     """
     query_lens_np = np.asarray(query_lens, dtype=np.int64)
     seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
@@ -77,6 +114,13 @@ def build_attention_metadata(
             )
         slots.append(table_np[positions // block_size] * block_size + positions % block_size)
     slot_mapping = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+    if backend == "triton":
+        return AttentionMetadata(
+            torch.from_numpy(slot_mapping).to(device),
+            [],
+            backend,
+            _kernel_inputs(query_lens_np, seq_lens_np, block_tables, device),
+        )
     is_decode = query_lens_np == 1
     groups = [
         _build_group(
@@ -92,6 +136,27 @@ def build_attention_metadata(
         if members.any()
     ]
     return AttentionMetadata(torch.from_numpy(slot_mapping).to(device), groups)
+
+
+def _kernel_inputs(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: Sequence[Sequence[int]],
+    device: torch.device,
+) -> KernelInputs:
+    num_reqs = len(seq_lens)
+    max_blocks = max((len(t) for t in block_tables), default=1) or 1
+    tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+    for r, table in enumerate(block_tables):
+        tables[r, : len(table)] = table
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    return KernelInputs(
+        query_start_loc=torch.from_numpy(query_start_loc).to(device, non_blocking=True),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device, non_blocking=True),
+        block_tables=torch.from_numpy(tables).to(device, non_blocking=True),
+        max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+    )
 
 
 def _build_group(
@@ -131,6 +196,8 @@ def _build_group(
         padded_idx=torch.from_numpy(padded_idx).to(device),
         block_tables=torch.from_numpy(tables).to(device),
         mask=mask.unsqueeze(1),
+        # padded rows get the last real position, so a window never empties them either
+        query_pos=torch.minimum(query_pos, s_lens_t[:, None] - 1),
     )
 
 
@@ -142,6 +209,11 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [num_tokens]
 ) -> None:
     """Store this step's K/V at their slots."""
+    if k_cache.is_cuda:  # CUDA and ROCm builds of torch alike
+        from vtllm.worker.kernels.reshape_and_cache import reshape_and_cache
+
+        reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+        return
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -153,11 +225,13 @@ def paged_attention_ref(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its cached keys (plain torch).
 
     The current step's K/V must already be written (``write_kv_cache``). Query head ``h``
-    uses KV head ``h // (num_heads // num_kv_heads)`` (grouped-query attention).
+    uses KV head ``h // (num_heads // num_kv_heads)`` (grouped-query attention). With
+    ``sliding_window`` the query at position ``p`` sees keys ``p - sliding_window + 1 .. p``.
     Returns ``[num_tokens, num_heads, head_dim]``.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -178,7 +252,7 @@ def paged_attention_ref(
         k = _gather_blocks(k_cache, g.block_tables)  # [R, KVH, Lk, D]
         v = _gather_blocks(v_cache, g.block_tables)
         num_keys = k.shape[2]
-        mask = g.mask
+        mask = g.window_mask(sliding_window)
         if group_size > 1:
             mask = mask.unsqueeze(3).expand(num_reqs, 1, max_q, group_size, num_keys)
             mask = mask.reshape(num_reqs, 1, max_q * group_size, num_keys)
@@ -206,6 +280,24 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """The attention every model calls. Today the torch reference on every device."""
-    return paged_attention_ref(q, k_cache, v_cache, metadata, scale)
+    """The attention every model calls: the Triton kernel when the metadata was built for
+    it (GPU), else the torch reference."""
+    if metadata.backend == "triton":
+        from vtllm.worker.kernels.paged_attention import paged_attention as kernel
+
+        inputs = metadata.kernel_inputs
+        assert inputs is not None
+        return kernel(
+            q,
+            k_cache,
+            v_cache,
+            inputs.query_start_loc,
+            inputs.seq_lens,
+            inputs.block_tables,
+            scale,
+            sliding_window,
+            max_seq_len=inputs.max_seq_len,
+        )
+    return paged_attention_ref(q, k_cache, v_cache, metadata, scale, sliding_window)

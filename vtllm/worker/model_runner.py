@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vtllm import envs
 from vtllm.protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from vtllm.worker.attention import build_attention_metadata
 from vtllm.worker.distributed import TPGroup
@@ -58,6 +59,7 @@ class ModelRunner:
         self.states = RequestStates(self._make_generator)
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
+        self.attention_backend = attention_backend(device)
 
     @classmethod
     def from_model_dir(
@@ -123,7 +125,12 @@ class ModelRunner:
 
     def _forward_logits(self, batch: StepBatch) -> torch.Tensor:
         metadata = build_attention_metadata(
-            batch.query_lens, batch.seq_lens, batch.block_tables, self.block_size, self.device
+            batch.query_lens,
+            batch.seq_lens,
+            batch.block_tables,
+            self.block_size,
+            self.device,
+            self.attention_backend,
         )
         input_ids = torch.from_numpy(batch.input_ids).to(self.device)
         positions = torch.from_numpy(batch.positions).to(self.device)
@@ -166,7 +173,12 @@ class ModelRunner:
             raise RuntimeError("dummy_run() needs a KV cache")
         num_blocks = -(-num_tokens // self.block_size)
         metadata = build_attention_metadata(
-            [num_tokens], [num_tokens], [list(range(num_blocks))], self.block_size, self.device
+            [num_tokens],
+            [num_tokens],
+            [list(range(num_blocks))],
+            self.block_size,
+            self.device,
+            self.attention_backend,
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
@@ -211,3 +223,12 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         param.normal_(0.0, std, generator=generators[param.device])
+
+
+def attention_backend(device: torch.device) -> str:
+    """``VT_ATTENTION_BACKEND`` if set, else the Triton kernels on a GPU (CUDA or ROCm)
+    and the torch reference elsewhere."""
+    choice = envs.VT_ATTENTION_BACKEND
+    if choice == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return choice
