@@ -93,25 +93,29 @@ class ServerProcess:
         deadline = started + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise AssertionError(f"server exited with {self.process.returncode}:\n{self.log()}")
+                raise AssertionError(f"server exited with {self.process.returncode}:\n{self.tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return time.monotonic() - started
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise AssertionError(f"server not healthy after {timeout_s}s:\n{self.log()}")
+        raise AssertionError(f"server not healthy after {timeout_s}s:\n{self.tail()}")
 
     def wait_exit(self, timeout_s: float) -> int:
         try:
             return self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             raise AssertionError(
-                f"server still running after {timeout_s}s:\n{self.log()}"
+                f"server still running after {timeout_s}s:\n{self.tail()}"
             ) from None
 
     def log(self) -> str:
-        return Path(self.log_file.name).read_text(errors="replace")[-20000:]
+        return Path(self.log_file.name).read_text(errors="replace")
+
+    def tail(self) -> str:
+        """The last 20000 characters of the log (for assertion messages)."""
+        return self.log()[-20000:]
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -131,7 +135,7 @@ def engine_address(server: ServerProcess) -> str:
     import re
 
     match = re.search(r"engine core ready at (ipc://\S+)", server.log())
-    assert match, server.log()
+    assert match, server.tail()
     return match.group(1)
 
 

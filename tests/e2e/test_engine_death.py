@@ -42,7 +42,7 @@ def test_sigkill_during_stream(victim, smollm2_dir, vt_cache_dir):
 
         thread = threading.Thread(target=stream)
         thread.start()
-        assert started.wait(60), srv.log()
+        assert started.wait(60), srv.tail()
         pid = next(p for p in descendants(srv.process.pid) if victim in cmdline(p))
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)

@@ -144,7 +144,7 @@ def test_metrics_move_by_the_right_amounts(server, client, model):
         text = httpx.get(f"{server.url}/metrics").text
         values = {}
         for line in text.splitlines():
-            match = re.match(r"^(vtllm:[a-z_]+(?:_total|_count|_sum)?)(\{[^}]*\})? (\S+)$", line)
+            match = re.match(r"^(vtllm:[a-z0-9_]+)(\{[^}]*\})? (\S+)$", line)
             if match:
                 labels = match.group(2) or ""
                 reason = re.search(r'finished_reason="(\w+)"', labels)

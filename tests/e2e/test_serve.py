@@ -97,12 +97,12 @@ def test_sigterm_stops_every_process(smollm2_dir, vt_cache_dir):
         assert any("VTLLM::Worker_TP0" in t for t in titles), titles
         assert "VTLLM::Frontend" in cmdline(srv.process.pid)
         match = re.search(r"engine core ready at ipc://(\S+)", srv.log())
-        assert match, srv.log()
+        assert match, srv.tail()
         socket_path = Path(match.group(1))
         assert socket_path.exists()
         os.kill(srv.process.pid, signal.SIGTERM)  # the main process only, as `kill` does
         code = srv.wait_exit(15)
-        assert code == 0, srv.log()
+        assert code == 0, srv.tail()
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and any(is_alive(p) for p in pids):
             time.sleep(0.1)

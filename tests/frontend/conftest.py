@@ -94,6 +94,7 @@ class Served:
     base_url: str
     http: httpx.AsyncClient
     dead_reasons: list[str]
+    app: Any = None
 
 
 def _free_socket() -> socket.socket:
@@ -144,7 +145,7 @@ async def serve(
             await engine.close()
 
         cleanups.append(stop)
-        return Served(fake, engine, f"http://127.0.0.1:{port}", http, dead_reasons)
+        return Served(fake, engine, f"http://127.0.0.1:{port}", http, dead_reasons, app)
 
     yield start
     for cleanup in reversed(cleanups):
@@ -157,3 +158,16 @@ def parse_sse(body: str) -> list[str]:
     """The ``data:`` payloads of an SSE body, in order (comments excluded)."""
     events = [e for e in body.split("\n\n") if e]
     return [e[len("data: ") :] for e in events if e.startswith("data: ")]
+
+
+async def scrape(http: httpx.AsyncClient) -> dict[tuple[str, frozenset], float]:
+    """``/metrics`` as {(sample name, frozenset of label items): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = await http.get("/metrics")
+    assert r.status_code == 200, r.text
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(r.text)
+        for sample in family.samples
+    }

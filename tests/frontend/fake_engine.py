@@ -4,7 +4,9 @@ ROUTER socket, in a thread. It answers ``Hello`` with ``Ready`` and answers each
 
 Knobs (set before or during a test): ``token_ids``, ``first_token_delay_s``,
 ``token_interval_s``, ``silent`` (stop answering anything, heartbeats included),
-``send_dead(reason)``, ``send_raw(frame)``. Utility calls are answered with
+``send_dead(reason)``, ``send_raw(frame)``, ``send_stats(stats)`` (an ``EngineOutputs``
+with only ``SchedulerStats``), ``report_before_first_token`` (an empty output as soon as a
+request arrives, as an engine reporting its scheduling would). Utility calls are answered with
 ``[method, *args]`` (or an error for method "fail"). It records ``added`` and ``aborted`` request ids.
 """
 
@@ -49,6 +51,7 @@ class FakeEngine:
         self.token_interval_s = 0.0
         self.refuse_reason: str | None = None
         self.silent = False
+        self.report_before_first_token = False
         self.added: list[m.AddRequest] = []
         self.aborted: list[str] = []
         self.goodbyes = 0
@@ -75,6 +78,9 @@ class FakeEngine:
 
     def send_raw(self, frame: bytes) -> None:
         self._raw_frames.append(frame)
+
+    def send_stats(self, stats: m.SchedulerStats) -> None:
+        self.send_raw(codec.encode(m.EngineOutputs([], stats)))
 
     def aborted_snapshot(self) -> list[str]:
         with self._lock:
@@ -135,6 +141,11 @@ class FakeEngine:
                 self.added.append(msg)
             due = time.monotonic() + self.first_token_delay_s
             self._live[msg.request_id] = _Live(identity, msg, 0, due)
+            if self.report_before_first_token:
+                report = m.RequestOutput(
+                    msg.request_id, [], num_prompt_tokens=len(msg.prompt_token_ids)
+                )
+                sock.send_multipart([identity, codec.encode(m.EngineOutputs([report]))])
         elif isinstance(msg, m.AbortRequests):
             with self._lock:
                 self.aborted.extend(msg.request_ids)

@@ -132,15 +132,80 @@ async def test_models_version_health(serve) -> None:
     assert (await served.http.get("/health")).status_code == 200
 
 
-async def test_api_key(serve, monkeypatch) -> None:
+_PROTECTED = [
+    ("GET", "/v1/models", None),
+    ("POST", CHAT, {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("POST", COMPLETIONS, {"prompt": "Hi"}),
+    ("POST", "/tokenize", {"prompt": "Hi"}),
+    ("POST", "/detokenize", {"tokens": [5]}),
+]
+_OPEN = ["/health", "/metrics", "/version", "/openapi.json"]
+
+
+async def _check_api_key(served, key: str) -> None:
+    for method, path, body in _PROTECTED:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+            r = await served.http.request(method, path, json=body, headers=headers)
+            assert r.status_code == 401, (path, headers, r.text)
+            assert r.json() == {
+                "error": {
+                    "message": "missing or wrong API key (Authorization: Bearer <key>)",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            }
+        r = await served.http.request(
+            method, path, json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert r.status_code == 200, (path, r.text)
+    for path in _OPEN:
+        assert (await served.http.get(path)).status_code == 200, path
+
+
+async def test_api_key(serve) -> None:
     config = VtllmConfig()
     config.frontend.api_key = "sekrit"
     served = await serve(config=config)
-    assert (await served.http.post(COMPLETIONS, json={"prompt": "Hi"})).status_code == 401
+    await _check_api_key(served, "sekrit")
+    doc = (await served.http.get("/openapi.json")).json()
+    assert doc["paths"]["/tokenize"]["post"]["security"] == [{"bearer": []}]
+    assert "security" not in doc["paths"]["/metrics"]["get"]
+
+
+async def test_api_key_from_env(serve, monkeypatch) -> None:
+    monkeypatch.setenv("VT_API_KEY", "from-env")
+    served = await serve()
+    await _check_api_key(served, "from-env")
+
+
+async def test_unsupported_fields_are_400_not_ignored(serve) -> None:
+    served = await serve()
+    user = _user()
+    cases = [
+        (CHAT, {**user, "logit_bias": {"5": 10}}, "logit_bias", "not supported yet"),
+        (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"5": -100}}, "logit_bias", "not supported"),
+        (COMPLETIONS, {"prompt": "Hi", "guided_json": {}}, "guided_json", "constrained"),
+        (COMPLETIONS, {"prompt": "Hi", "use_beam_search": True}, "use_beam_search", "beam"),
+        (COMPLETIONS, {"prompt": "Hi", "suffix": "end"}, "suffix", "not supported yet"),
+        (CHAT, {**user, "functions": [{"name": "f"}]}, "functions", "send tools"),
+        (CHAT, {**user, "top_logprobs": 3}, "top_logprobs", "logprobs: true"),
+        (CHAT, {**user, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+        (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [10**6]}, "stop_token_ids", "range"),
+        (COMPLETIONS, {"prompt": "Hi", "priority": 2**70}, "priority", "<="),
+        (COMPLETIONS, {"prompt": "Hi", "seed": -(2**64)}, "seed", ">="),
+    ]
+    for path, body, param, words in cases:
+        r = await served.http.post(path, json=body)
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and words in error["message"], (body, error)
+    assert served.fake.added == []
+    # the "off" values are accepted
     r = await served.http.post(
-        COMPLETIONS, json={"prompt": "Hi"}, headers={"Authorization": "Bearer sekrit"}
+        COMPLETIONS, json={"prompt": "Hi", "logit_bias": {}, "use_beam_search": False}
     )
-    assert r.status_code == 200
+    assert r.status_code == 200, r.text
 
 
 async def test_logprobs_shapes(serve) -> None:

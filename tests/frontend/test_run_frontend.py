@@ -74,6 +74,30 @@ def test_exits_nonzero_when_engine_dies(tmp_path: Path, model_dir: Path) -> None
         fake.stop()
 
 
+def test_metrics_alive_on_the_real_server(tmp_path: Path, model_dir: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fake, proc, url = _start(tmp_path, model_dir)
+    try:
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}).status_code == 200
+        r = httpx.get(f"{url}/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text)
+            for s in family.samples
+        }
+        model = ("model_name", "fake-model")
+        success = ("vtllm:request_success_total", (("finished_reason", "stop"), model))
+        assert samples[success] == 1
+        assert samples[("vtllm:generation_tokens_total", (model,))] == 1
+        assert samples[("vtllm:time_to_first_token_seconds_count", (model,))] == 1
+    finally:
+        proc.kill()
+        proc.wait(10)
+        fake.stop()
+
+
 def test_sigterm_is_a_clean_stop(tmp_path: Path, model_dir: Path) -> None:
     fake, proc, _ = _start(tmp_path, model_dir)
     try:

@@ -12,21 +12,24 @@ from vtllm.worker.attention import build_attention_metadata, paged_attention_ref
 NUM_BLOCKS = 100
 
 
-def dense_causal(q, k, v, num_context: int) -> torch.Tensor:
-    """q ``[q_len, H, D]`` at positions num_context.., k/v ``[seq_len, KVH, D]``."""
+def dense_causal(q, k, v, num_context: int, window: int | None = None) -> torch.Tensor:
+    """q ``[q_len, H, D]`` at positions num_context.., k/v ``[seq_len, KVH, D]``; with a
+    window, query position p sees keys p - window + 1 .. p."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     q_pos = torch.arange(q.shape[0])[:, None] + num_context
     k_pos = torch.arange(k.shape[0])[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    hidden = (k_pos > q_pos) | (k_pos <= q_pos - window if window else False)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("window", [None, 1, 5])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
-def test_mixed_batch_matches_dense(block_size, num_heads, num_kv_heads):
+def test_mixed_batch_matches_dense(block_size, num_heads, num_kv_heads, window):
     gen = torch.Generator().manual_seed(block_size * 100 + num_heads)
     head_dim = 8
     # (context already cached, tokens computed now): fresh prefill, prefill continuing a
@@ -60,10 +63,10 @@ def test_mixed_batch_matches_dense(block_size, num_heads, num_kv_heads):
         torch.device("cpu"),
     )
     write_kv_cache(torch.cat(new_k), torch.cat(new_v), k_cache, v_cache, metadata.slot_mapping)
-    out = paged_attention_ref(torch.cat(qs), k_cache, v_cache, metadata, head_dim**-0.5)
+    out = paged_attention_ref(torch.cat(qs), k_cache, v_cache, metadata, head_dim**-0.5, window)
     expected = torch.cat(
         [
-            dense_causal(q, k, v, c)
+            dense_causal(q, k, v, c, window)
             for q, k, v, (c, _) in zip(qs, full_k, full_v, requests, strict=True)
         ]
     )

@@ -1,13 +1,17 @@
-"""The model runner, driven with engine-style SchedulerOutputs, against transformers.
+"""The model runner, driven with engine-style SchedulerOutputs, against transformers,
+for every supported family (Llama, Mistral, Qwen2, Qwen3, Gemma 3) and for checkpoints
+written sharded and in bf16 / fp16.
 
 Tolerance: fp32 everywhere; full-vocab logprobs within atol 1e-4 (a logprob vector is the
 logits up to a per-row constant, so this pins the logits), greedy tokens identical.
+The test sequences grow to ~28 tokens, past the tiny models' 6-token sliding window.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from vtllm.protocol.messages import SamplingParams
 from vtllm.worker.model_runner import ModelRunner
@@ -36,10 +40,27 @@ def _check(engine: EngineSim, hf_model, output) -> None:
         assert output.logprobs[i] == pytest.approx(float(expected.max()), abs=ATOL)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_prefill_whole_then_decode_two_requests(kind, tmp_path):
-    hf_model = make_hf_model(kind, tmp_path)
-    engine = EngineSim(_runner(tmp_path).execute, num_blocks=64, block_size=4)
+    _prefill_then_decode(tmp_path, make_hf_model(kind, tmp_path))
+
+
+@pytest.mark.parametrize("kind,file_dtype", [("gemma3", torch.bfloat16), ("qwen3", torch.float16)])
+def test_sharded_half_precision_checkpoint(kind, file_dtype, tmp_path):
+    """Weights written in ``file_dtype`` over several shards, loaded into fp32: the
+    reference is transformers loading the same files into fp32."""
+    written = make_hf_model(kind, tmp_path / "fp32").to(file_dtype)
+    model_dir = tmp_path / "sharded"
+    written.save_pretrained(model_dir, max_shard_size="100KB")
+    assert len(list(model_dir.glob("*.safetensors"))) > 2
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert hf_model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    _prefill_then_decode(model_dir, hf_model.eval())
+
+
+def _prefill_then_decode(model_dir, hf_model) -> None:
+    """Two requests prefilled whole in one step, then 16 decode steps of both."""
+    engine = EngineSim(_runner(model_dir).execute, num_blocks=64, block_size=4)
     prompts = {"a": [5, 9, 17, 33, 65, 1, 7, 11, 13, 100, 4], "b": [8, 3, 120, 6, 6, 42]}
     for request_id, prompt in prompts.items():
         engine.add(request_id, prompt, GREEDY_ALL_LOGPROBS)
@@ -53,10 +74,12 @@ def test_prefill_whole_then_decode_two_requests(kind, tmp_path):
     assert len(engine.requests["a"].token_ids) == len(prompts["a"]) + 1 + NUM_DECODE_STEPS
 
 
-def test_chunked_prefill_mixed_with_decode(tmp_path):
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_chunked_prefill_mixed_with_decode(kind, tmp_path):
     """Request a prefills in chunks of 5 (no token until the last chunk) while request b
-    decodes in the same steps; then both decode."""
-    hf_model = make_hf_model("llama", tmp_path)
+    decodes in the same steps; then both decode. Gemma 3's local layers see each chunk's
+    window reach back into the cached prefix."""
+    hf_model = make_hf_model(kind, tmp_path)
     engine = EngineSim(_runner(tmp_path).execute, num_blocks=64, block_size=4, seed=1)
     prompt_a = list(range(10, 33))  # 23 tokens: chunks 5, 5, 5, 5, 3
     engine.add("b", [7, 8, 9], GREEDY_ALL_LOGPROBS)

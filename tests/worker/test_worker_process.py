@@ -115,7 +115,11 @@ def test_worker_rpc_round_trip(model, tmp_path, world_size, cpu_only):
             assert report.rank == rank
             assert report.usable_kv_bytes == config.cache.kv_cache_memory
             facts = report.facts
-            assert (facts.vocab_size, facts.num_layers, facts.eos_token_ids) == (128, 2, [2, 3])
+            assert (facts.vocab_size, facts.num_layers, facts.eos_token_ids) == (
+                VOCAB_SIZE,
+                2,
+                [2, 3],
+            )
             # 2 (K, V) x 2 layers x kv heads on this rank x head_dim 16 x 4 bytes
             assert facts.kv_bytes_per_token == 2 * 2 * (2 // world_size) * 16 * 4
         for rank in range(world_size):

@@ -20,7 +20,9 @@ from vtllm.protocol.messages import (
     SchedulerOutput,
 )
 
-VOCAB_SIZE = 128
+VOCAB_SIZE = 512
+# small enough that the test sequences (up to ~30 tokens) slide past it
+SLIDING_WINDOW = 6
 _COMMON = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
@@ -36,7 +38,10 @@ _COMMON = dict(
 
 def hf_config(kind: str):
     """A transformers config for ``llama`` (untied, llama3 rope scaling), ``llama_tied``,
-    ``qwen2`` (qkv bias) or ``qwen3`` (q/k norm, explicit head_dim)."""
+    ``mistral`` (sliding window on every layer), ``qwen2`` (qkv bias, sliding window from
+    layer 1 on), ``qwen3`` (q/k norm, explicit head_dim) or ``gemma3`` (local/global
+    layers with their own rope, GeGLU, (1 + w) norms, query_pre_attn_scalar, logit
+    soft-capping)."""
     import transformers
 
     if kind == "llama":
@@ -54,10 +59,34 @@ def hf_config(kind: str):
         )
     if kind == "llama_tied":
         return transformers.LlamaConfig(**_COMMON, tie_word_embeddings=True)
+    if kind == "mistral":
+        return transformers.MistralConfig(
+            **_COMMON, sliding_window=SLIDING_WINDOW, rope_theta=1e6, tie_word_embeddings=False
+        )
     if kind == "qwen2":
-        return transformers.Qwen2Config(**_COMMON, tie_word_embeddings=False)
+        return transformers.Qwen2Config(
+            **_COMMON,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW,
+            max_window_layers=1,
+        )
     if kind == "qwen3":
         return transformers.Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True)
+    if kind == "gemma3":
+        return transformers.Gemma3TextConfig(
+            **{**_COMMON, "num_hidden_layers": 3},
+            head_dim=32,
+            sliding_window=SLIDING_WINDOW,
+            sliding_window_pattern=3,  # local, local, global
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=0.5,
+            tie_word_embeddings=True,
+        )
     raise ValueError(kind)
 
 

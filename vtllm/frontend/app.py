@@ -3,12 +3,17 @@
 Every error is answered in OpenAI shape ``{"error": {message, type, param, code}}``:
 bad JSON or a wrong field → 400 naming the field, unknown model → 404, a body over
 ``--max-request-bytes`` → 413, engine dead → 503. A client mistake is never a 500.
+
+With an API key (``--api-key`` / ``VT_API_KEY``), ``/v1/*``, ``/tokenize`` and
+``/detokenize`` need ``Authorization: Bearer <key>`` (else 401); ``/health``,
+``/metrics``, ``/version`` and ``/openapi.json`` stay open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import signal
@@ -17,6 +22,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -28,10 +34,13 @@ from vtllm import envs
 from vtllm.config import VtllmConfig
 from vtllm.frontend.engine_client import EngineClient, EngineDeadError, HandshakeError
 from vtllm.frontend.generation import GenerationError, error_for
+from vtllm.frontend.metrics import FrontendMetrics, StatsLogger
 from vtllm.frontend.openai_types import OpenAIError
+from vtllm.frontend.openapi import openapi_document
 from vtllm.frontend.serving_chat import create_chat_completion
 from vtllm.frontend.serving_completion import create_completion
 from vtllm.frontend.serving_context import ServingContext, json_response, now_s
+from vtllm.frontend.serving_tokenize import detokenize, tokenize
 from vtllm.frontend.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
@@ -92,17 +101,24 @@ def build_context(
         default_max_tokens=config.frontend.default_max_tokens,
         extra_stop_token_ids=[i for i in tokenizer.eos_token_ids if i not in ready.eos_token_ids],
         model_aliases=aliases,
+        tool_call_parser=config.frontend.tool_call_parser,
     )
 
 
 def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) -> Starlette:
-    """The OpenAI-compatible app. ``engine_client`` must already be connected."""
+    """The OpenAI-compatible app. ``engine_client`` must already be connected; the app's
+    metrics (``app.state.metrics``) observe it from now on."""
     ctx = build_context(config, model_dir, engine_client)
+    metrics = FrontendMetrics(ctx.model_name, ctx.max_model_len)
+    engine_client.add_observer(metrics)
     max_bytes = config.frontend.max_request_bytes
     api_key = config.frontend.api_key or envs.VT_API_KEY
+    expected_auth = f"Bearer {api_key}".encode()
+    openapi = json_response(openapi_document(vtllm.__version__, bool(api_key), ctx.vocab_size)).body
 
     def check_auth(request: Request) -> None:
-        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+        given = request.headers.get("authorization", "").encode()
+        if api_key and not hmac.compare_digest(given, expected_auth):
             raise OpenAIError(
                 401,
                 "missing or wrong API key (Authorization: Bearer <key>)",
@@ -150,6 +166,12 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
     async def version(request: Request) -> Response:
         return json_response({"version": vtllm.__version__})
 
+    async def prometheus(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def openapi_json(request: Request) -> Response:
+        return Response(openapi, media_type="application/json")
+
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -167,8 +189,12 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
         Route("/v1/chat/completions", endpoint(create_chat_completion), methods=["POST"]),
         Route("/v1/completions", endpoint(create_completion), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", endpoint(tokenize), methods=["POST"]),
+        Route("/detokenize", endpoint(detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,
@@ -179,6 +205,7 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
         },
     )
     app.state.serving = ctx
+    app.state.metrics = metrics
     return app
 
 
@@ -244,6 +271,7 @@ async def _serve(
             host=config.frontend.host,
             port=config.frontend.port,
             log_level=envs.VT_LOG_LEVEL.lower(),
+            log_config=None,  # vtllm's own handlers (text or JSON lines, see vtllm/log.py)
             timeout_graceful_shutdown=5,
         )
         server = uvicorn.Server(uv_config)
@@ -253,8 +281,14 @@ async def _serve(
             uv_config.host,
             uv_config.port,
         )
-        with _signals_recorded():
-            await server.serve()
+        stats_log = asyncio.create_task(StatsLogger(app.state.metrics).run())
+        try:
+            with _signals_recorded():
+                await server.serve()
+        finally:
+            stats_log.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stats_log
         if not server.started and engine.dead_reason is None:
             return 1  # could not bind the port (uvicorn logged why)
     finally:

@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -44,6 +44,22 @@ class HandshakeError(RuntimeError):
 
 class UtilityError(RuntimeError):
     """A utility call the engine core answered with ``ok=False``."""
+
+
+class RequestObserver(Protocol):
+    """Watches requests as the engine client routes them (metrics). Called on the event
+    loop, with ``time.monotonic()`` times; an exception is logged, never propagated."""
+
+    def on_request_added(self, request_id: str, num_prompt_tokens: int, now: float) -> None:
+        """A request is about to be sent to the engine core."""
+
+    def on_outputs(self, message: m.EngineOutputs, now: float) -> None:
+        """An ``EngineOutputs`` batch arrived (before its outputs are routed)."""
+
+    def on_request_done(self, request_id: str, finish_reason: str, now: float) -> None:
+        """The request's consumer is done with it. ``finish_reason`` is the engine's
+        (stop, length, abort, error), "abort" when the consumer left early, "error" when
+        the engine died, or what the consumer set with ``set_finish_reason``."""
 
 
 class _Dead:
@@ -75,6 +91,8 @@ class EngineClient:
         self._on_dead: Callable[[str], Any] | None = None
         self._last_heard = 0.0
         self._closed = False
+        self._observers: list[RequestObserver] = []
+        self._finish_reasons: dict[str, str] = {}  # set by consumers that end a request
 
     @property
     def is_alive(self) -> bool:
@@ -83,6 +101,9 @@ class EngineClient:
     @property
     def num_in_flight(self) -> int:
         return len(self._queues)
+
+    def add_observer(self, observer: RequestObserver) -> None:
+        self._observers.append(observer)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -173,6 +194,8 @@ class EngineClient:
         queue: asyncio.Queue[m.RequestOutput | _Dead] = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
+        finish_reason = "abort"  # unless the engine or the consumer says otherwise
+        self._notify("on_request_added", request_id, len(prompt_token_ids), time.monotonic())
         try:
             await self._send(
                 m.AddRequest(
@@ -188,13 +211,27 @@ class EngineClient:
                 item = await queue.get()
                 if isinstance(item, _Dead):
                     finished = True
+                    finish_reason = "error"
                     raise EngineDeadError(item.reason)
                 finished = item.finish_reason is not None
+                if item.finish_reason is not None:
+                    finish_reason = item.finish_reason.openai_name
                 yield item
+        except EngineDeadError:
+            finish_reason = "error"
+            raise
         finally:
             self._queues.pop(request_id, None)
             if not finished and self.is_alive:
                 self._abort_soon([request_id])
+            finish_reason = self._finish_reasons.pop(request_id, finish_reason)
+            self._notify("on_request_done", request_id, finish_reason, time.monotonic())
+
+    def set_finish_reason(self, request_id: str, finish_reason: str) -> None:
+        """The consumer is about to end an in-flight request itself (a stop string
+        matched in the frontend): observers see ``finish_reason`` instead of "abort"."""
+        if request_id in self._queues:
+            self._finish_reasons[request_id] = finish_reason
 
     def output_queue(self, request_id: str) -> asyncio.Queue[m.RequestOutput | _Dead] | None:
         return self._queues.get(request_id)
@@ -292,6 +329,7 @@ class EngineClient:
         if isinstance(message, m.EngineOutputs):
             if message.scheduler_stats is not None:
                 self.latest_stats = message.scheduler_stats
+            self._notify("on_outputs", message, time.monotonic())
             for output in message.outputs:
                 queue = self._queues.get(output.request_id)
                 if queue is not None:
@@ -304,6 +342,13 @@ class EngineClient:
             self._mark_dead(f"engine core died: {message.reason}")
         elif not isinstance(message, m.Heartbeat):
             logger.warning("unexpected %s from the engine core", type(message).__name__)
+
+    def _notify(self, event: str, *args: Any) -> None:
+        for observer in self._observers:
+            try:
+                getattr(observer, event)(*args)
+            except Exception:
+                logger.exception("request observer %s.%s failed", type(observer).__name__, event)
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None or self._closed:

@@ -89,6 +89,7 @@ async def run_choice(
             finish: str | None = None
             if text.stopped_by_string:
                 finish = "stop"  # leaving the loop aborts the engine request
+                engine.set_finish_reason(job.request_id, finish)
             elif output.finish_reason is not None:
                 delta += text.finish()
                 finish = output.finish_reason.openai_name

@@ -2,19 +2,31 @@
 
 Bodies are decoded with ``decode_body``: a wrong type or out-of-range value is an
 ``OpenAIError`` 400 whose ``param`` names the field (msgspec says ``at `$.field```).
-Unknown fields are ignored (SDKs send some we do not use).
+These structs are also the request schemas of ``/openapi.json``: every constraint a
+request must meet is written here, as a type or a ``msgspec.Meta``.
+
+Fields we know but cannot honour yet (``logit_bias``, guided decoding, ...) are declared
+so that only their "off" value is accepted; anything else is a 400 saying it is not
+supported. Unknown fields are ignored (SDKs send some we do not use), with a warning in
+the server log the first time each one is seen.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
+logger = logging.getLogger(__name__)
+
 T = TypeVar("T")
 
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+_INT64_MAX = 2**63 - 1
+# Every integer that travels to the engine fits in int64 (the msgpack wire format).
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=_INT64_MAX)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=_INT64_MAX)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
 
@@ -53,18 +65,65 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 
 
 _FIELD_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
+
+_NO_CONSTRAINED_DECODING = (
+    "is not supported yet (no constrained decoding); remove it to get unconstrained output"
+)
+# Declared fields whose only accepted value is "off": the message for any other value.
+UNSUPPORTED_FIELDS = {
+    "logit_bias": "logit_bias is not supported yet (the engine cannot bias logits); "
+    "remove it or send an empty object",
+    "prompt_logprobs": "prompt_logprobs is not supported yet; remove it or send null",
+    "use_beam_search": "beam search is not supported; remove use_beam_search",
+    "include_stop_str_in_output": "include_stop_str_in_output is not supported yet; "
+    "stop strings are always cut from the output",
+    "skip_special_tokens": "skip_special_tokens=false is not supported yet; special tokens "
+    "are always skipped in the output text",
+    "guided_json": f"guided_json {_NO_CONSTRAINED_DECODING}",
+    "guided_regex": f"guided_regex {_NO_CONSTRAINED_DECODING}",
+    "guided_choice": f"guided_choice {_NO_CONSTRAINED_DECODING}",
+    "guided_grammar": f"guided_grammar {_NO_CONSTRAINED_DECODING}",
+    "functions": "functions is the deprecated form of tools; send tools instead",
+    "function_call": "function_call is the deprecated form of tool_choice; send tool_choice",
+    "suffix": "suffix is not supported yet (no fill-in-the-middle); remove it",
+    "chat_template": "a per-request chat_template is not supported; the model's own "
+    "template is used (chat_template_kwargs are passed to it)",
+}
+
+_warned_unknown: set[tuple[str, str]] = set()
 
 
 def decode_body(body: bytes, type_: type[T]) -> T:
     """JSON body → ``type_``; raises OpenAIError(400) naming the offending field."""
     try:
-        return msgspec.json.decode(body, type=type_)
+        request = msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as e:
         match = _FIELD_PATH.search(str(e))
         param = match.group(1) if match and match.group(1) else None
+        missing = _MISSING_FIELD.search(str(e))
+        if missing:
+            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+        field = (param or "").split(".", 1)[0].split("[", 1)[0]
+        if field in UNSUPPORTED_FIELDS:
+            raise bad_request(UNSUPPORTED_FIELDS[field], field) from None
         raise bad_request(f"invalid request body: {e}", param) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
+    _warn_unknown_fields(body, type_)
+    return request
+
+
+def _warn_unknown_fields(body: bytes, type_: type) -> None:
+    """Log (once per field) the body fields ``type_`` does not know: they are ignored."""
+    fields = getattr(type_, "__struct_fields__", None)
+    if fields is None:
+        return
+    keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw]).keys()
+    for key in keys - set(fields):
+        if (type_.__name__, key) not in _warned_unknown:
+            _warned_unknown.add((type_.__name__, key))
+            logger.warning("%s: ignoring the unknown field %r", type_.__name__, key)
 
 
 class StreamOptions(msgspec.Struct):
@@ -96,16 +155,21 @@ class ChatMessage(msgspec.Struct):
         return out
 
 
+def _off(description: str) -> Any:
+    return msgspec.Meta(description=f"Not supported yet: {description}")
+
+
 class _SamplingFields(msgspec.Struct):
     """Fields shared by chat and completion requests."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # -1 or 0 = off
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=_INT64_MAX)] | None = None  # -1 or 0 = off
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    # seed + choice index must still fit in uint64 on the wire
+    seed: Int64 | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegInt] | None = None
@@ -117,8 +181,19 @@ class _SamplingFields(msgspec.Struct):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    priority: int = 0
+    priority: Int64 = 0
     cache_salt: str | None = None
+    logit_bias: (
+        Annotated[dict[str, float], msgspec.Meta(max_length=0), _off("only {} or null")] | None
+    ) = None
+    prompt_logprobs: Annotated[None, _off("only null")] = None
+    use_beam_search: Annotated[Literal[False], _off("only false")] = False
+    include_stop_str_in_output: Annotated[Literal[False], _off("only false")] = False
+    skip_special_tokens: Annotated[Literal[True], _off("only true")] = True
+    guided_json: Annotated[None, _off("only null")] = None
+    guided_regex: Annotated[None, _off("only null")] = None
+    guided_choice: Annotated[None, _off("only null")] = None
+    guided_grammar: Annotated[None, _off("only null")] = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -143,6 +218,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    functions: Annotated[None, _off("only null (send tools)")] = None
+    function_call: Annotated[None, _off("only null (send tool_choice)")] = None
+    chat_template: Annotated[None, _off("only null")] = None
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` wins over the legacy ``max_tokens`` when set (> 0)."""
@@ -160,7 +238,7 @@ class CompletionRequest(_SamplingFields):
     prompt: PromptInput | None = None
     echo: bool = False
     logprobs: TopLogprobs | None = None
-    suffix: str | None = None
+    suffix: Annotated[str, msgspec.Meta(max_length=0), _off('only "" or null')] | None = None
     best_of: int | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -186,3 +264,31 @@ class CompletionRequest(_SamplingFields):
             "token-id lists (not a mix)",
             "prompt",
         )
+
+
+class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):
+    """``POST /tokenize`` of a plain prompt (as ``/v1/completions`` tokenizes it)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(msgspec.Struct, kw_only=True):
+    """``POST /tokenize`` of a conversation (as ``/v1/chat/completions`` renders it)."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # the chat template writes its special tokens itself
+    add_special_tokens: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[NonNegInt]

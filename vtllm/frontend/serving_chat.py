@@ -4,21 +4,32 @@ Streaming answers are SSE: per choice a role chunk first, then content chunks, t
 finish_reason on each choice's last chunk, a usage chunk (``choices: []``) when
 ``stream_options.include_usage``, then ``data: [DONE]``. An error mid-stream is one event
 in OpenAI error shape, after which the stream closes.
+
+Tools: the model's template renders ``tools``; with ``--tool-call-parser`` the output is
+parsed into ``tool_calls`` (``tool_parsers.py``) unless ``tool_choice`` is "none". A
+streamed call is two deltas, its id and name, then its arguments.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
-from vtllm.frontend.generation import ChoiceJob, ChoiceMerger, collect
+from vtllm.frontend.generation import ChoiceDelta, ChoiceJob, ChoiceMerger, collect
 from vtllm.frontend.logprobs import chat_logprobs
-from vtllm.frontend.openai_types import ChatCompletionRequest, bad_request, decode_body
+from vtllm.frontend.openai_types import (
+    ChatCompletionRequest,
+    ChatMessage,
+    bad_request,
+    decode_body,
+)
 from vtllm.frontend.sampling import (
     build_sampling_params,
     check_prompt_fits,
+    check_token_ids,
     choice_seed,
     explicit_max_tokens,
     resolve_max_tokens,
@@ -41,6 +52,20 @@ from vtllm.frontend.sse import (
     sse_event,
 )
 from vtllm.frontend.tokenizer import ChatTemplateError
+from vtllm.frontend.tool_parsers import HermesToolParser, ParsedText, make_tool_parser
+
+
+@dataclass
+class ToolPlan:
+    """What to do with tool calls in this request's output."""
+
+    parser_name: str | None = None  # None: no parsing, the text is the content
+    max_calls: int | None = None  # 1 with parallel_tool_calls=false
+
+    def new_parser(self) -> HermesToolParser | None:
+        if self.parser_name is None:
+            return None
+        return make_tool_parser(self.parser_name, self.max_calls)
 
 
 def _check_supported(request: ChatCompletionRequest) -> None:
@@ -52,28 +77,92 @@ def _check_supported(request: ChatCompletionRequest) -> None:
             f"response_format type {fmt!r} is not supported (no constrained decoding); use 'text'",
             "response_format",
         )
+    if request.top_logprobs and not request.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+
+
+def _tool_names(tools: list[dict[str, Any]]) -> list[str]:
+    names = []
+    for tool in tools:
+        function = tool.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            names.append(function["name"])
+    return names
+
+
+def plan_tools(ctx: ServingContext, request: ChatCompletionRequest) -> ToolPlan:
+    """Check ``tools``/``tool_choice`` and decide whether to parse the output.
+
+    ``tool_choice`` absent means "auto" with tools and "none" without (OpenAI). A named
+    function is accepted and parsed like "auto": the output is not constrained to it."""
+    tools = request.tools or []
     choice = request.tool_choice
-    if choice is not None and choice not in ("auto", "none"):
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise bad_request(
+                'a named tool_choice must be {"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
+        if name not in _tool_names(tools):
+            raise bad_request(
+                f"tool_choice names the function {name!r}, which is not in tools "
+                f"({', '.join(_tool_names(tools)) or 'none given'})",
+                "tool_choice",
+            )
+    elif choice == "required":
         raise bad_request(
-            "tool_choice may be 'auto' or 'none' (forced tool calls are not supported)",
+            "tool_choice 'required' is not supported yet (no constrained decoding); use "
+            "'auto' or name the function",
             "tool_choice",
         )
+    elif choice not in ("auto", "none"):
+        raise bad_request(
+            f"tool_choice must be 'auto', 'none' or a named function, got {choice!r}",
+            "tool_choice",
+        )
+    if choice == "none":
+        return ToolPlan()
+    if not tools:
+        raise bad_request("tool_choice asks for tool calls but no tools were given", "tools")
+    if ctx.tool_call_parser is None:
+        raise bad_request(
+            "this server does not parse tool calls; start it with --tool-call-parser hermes, "
+            "or send tool_choice 'none' to get the model's raw text",
+            "tools",
+        )
+    max_calls = 1 if request.parallel_tool_calls is False else None
+    return ToolPlan(ctx.tool_call_parser, max_calls)
 
 
-def _prompt_token_ids(ctx: ServingContext, request: ChatCompletionRequest) -> list[int]:
-    tools = None if request.tool_choice == "none" else request.tools
+def chat_prompt_token_ids(
+    ctx: ServingContext,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """The prompt token ids of a conversation. Raises OpenAIError(400) when the template
+    refuses it."""
     try:
         text = ctx.tokenizer.render_chat(
-            [message.to_template_dict() for message in request.messages],
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
+            [message.to_template_dict() for message in messages],
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tools=tools,
-            chat_template_kwargs=request.chat_template_kwargs,
+            chat_template_kwargs=chat_template_kwargs,
         )
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
     # The template writes the special tokens (BOS included) itself.
-    return ctx.tokenizer.encode(text, add_special_tokens=False)
+    return ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def build_chat_jobs(
@@ -81,7 +170,15 @@ def build_chat_jobs(
 ) -> list[ChoiceJob]:
     """Validate the request and turn it into one engine request per choice."""
     _check_supported(request)
-    prompt_ids = _prompt_token_ids(ctx, request)
+    check_token_ids(request.stop_token_ids or [], ctx.vocab_size, "stop_token_ids")
+    prompt_ids = chat_prompt_token_ids(
+        ctx,
+        request.messages,
+        request.add_generation_prompt,
+        request.continue_final_message,
+        request.tools,
+        request.chat_template_kwargs,
+    )
     requested = request.requested_max_tokens()
     field = (
         "max_completion_tokens"
@@ -121,19 +218,44 @@ async def create_chat_completion(
     request = decode_body(body, ChatCompletionRequest)
     ctx.check_model(request.model)
     response_id = new_id("chatcmpl")
+    tool_plan = plan_tools(ctx, request)
     jobs = build_chat_jobs(ctx, request, response_id)
     if request.stream:
         return StreamingResponse(
-            _stream(ctx, request, jobs, response_id),
+            _stream(ctx, request, jobs, response_id, tool_plan),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
-    result = await unless_disconnected(_complete(ctx, request, jobs, response_id), is_disconnected)
+    result = await unless_disconnected(
+        _complete(ctx, request, jobs, response_id, tool_plan), is_disconnected
+    )
     return json_response(result)
 
 
+def _message(text: str, finish_reason: str, tool_plan: ToolPlan) -> tuple[dict[str, Any], str]:
+    """The assistant message of a finished choice, and its finish_reason ("tool_calls"
+    when the model stopped after calling tools)."""
+    parser = tool_plan.new_parser()
+    if parser is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    parsed = parser.push(text)
+    parsed += parser.finish()
+    if not parsed.tool_calls:
+        return {"role": "assistant", "content": parsed.content}, finish_reason
+    message = {
+        "role": "assistant",
+        "content": parsed.content or None,
+        "tool_calls": [call.to_dict() for call in parsed.tool_calls],
+    }
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 async def _complete(
-    ctx: ServingContext, request: ChatCompletionRequest, jobs: list[ChoiceJob], response_id: str
+    ctx: ServingContext,
+    request: ChatCompletionRequest,
+    jobs: list[ChoiceJob],
+    response_id: str,
+    tool_plan: ToolPlan,
 ) -> dict[str, Any]:
     usage = UsageCounter(len(jobs[0].prompt_token_ids))
     async with ChoiceMerger(ctx.engine, ctx.tokenizer, jobs) as merger:
@@ -144,12 +266,17 @@ async def _complete(
         for delta in deltas:
             usage.add(delta)
         entries = [entry for delta in deltas for entry in delta.logprobs]
+        message, finish_reason = _message(
+            "".join(d.text for d in deltas),
+            deltas[-1].finish_reason or "abort" if deltas else "abort",
+            tool_plan,
+        )
         choices.append(
             {
                 "index": job.index,
-                "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                "message": message,
                 "logprobs": chat_logprobs(ctx.tokenizer, entries) if request.logprobs else None,
-                "finish_reason": deltas[-1].finish_reason if deltas else "abort",
+                "finish_reason": finish_reason,
             }
         )
     return {
@@ -162,8 +289,44 @@ async def _complete(
     }
 
 
+class _StreamedChoice:
+    """One choice of a stream: its tool parser and how many tool calls it has sent."""
+
+    def __init__(self, tool_plan: ToolPlan) -> None:
+        self.parser = tool_plan.new_parser()
+        self.num_tool_calls = 0
+
+    def deltas(self, item: ChoiceDelta) -> tuple[list[dict[str, Any]], str | None]:
+        """The ``delta`` objects for ``item`` (possibly none) and its finish_reason."""
+        if self.parser is None:
+            return ([{"content": item.text}] if item.text else []), item.finish_reason
+        parsed: ParsedText = self.parser.push(item.text)
+        if item.finish_reason is not None:
+            parsed += self.parser.finish()
+        out: list[dict[str, Any]] = [{"content": parsed.content}] if parsed.content else []
+        for call in parsed.tool_calls:
+            index = self.num_tool_calls
+            self.num_tool_calls += 1
+            header = {
+                "index": index,
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": ""},
+            }
+            arguments = {"index": index, "function": {"arguments": call.arguments}}
+            out += [{"tool_calls": [header]}, {"tool_calls": [arguments]}]
+        finish = item.finish_reason
+        if finish == "stop" and self.num_tool_calls:
+            finish = "tool_calls"
+        return out, finish
+
+
 async def _stream(
-    ctx: ServingContext, request: ChatCompletionRequest, jobs: list[ChoiceJob], response_id: str
+    ctx: ServingContext,
+    request: ChatCompletionRequest,
+    jobs: list[ChoiceJob],
+    response_id: str,
+    tool_plan: ToolPlan,
 ) -> AsyncIterator[bytes]:
     created = now_s()
 
@@ -180,6 +343,7 @@ async def _stream(
         )
 
     usage = UsageCounter(len(jobs[0].prompt_token_ids))
+    streamed = {job.index: _StreamedChoice(tool_plan) for job in jobs}
     try:
         async with ChoiceMerger(ctx.engine, ctx.tokenizer, jobs) as merger:
             for job in jobs:
@@ -192,20 +356,23 @@ async def _stream(
                     yield SSE_KEEPALIVE
                     continue
                 usage.add(item)
-                if not item.text and item.finish_reason is None and not item.logprobs:
+                deltas, finish_reason = streamed[item.index].deltas(item)
+                if not deltas and finish_reason is None and not item.logprobs:
                     continue
                 logprobs = chat_logprobs(ctx.tokenizer, item.logprobs) if request.logprobs else None
-                delta = {"content": item.text} if item.text else {}
-                yield chunk(
-                    [
-                        {
-                            "index": item.index,
-                            "delta": delta,
-                            "logprobs": logprobs,
-                            "finish_reason": item.finish_reason,
-                        }
-                    ]
-                )
+                deltas = deltas or [{}]
+                for i, delta in enumerate(deltas):
+                    last = i == len(deltas) - 1
+                    yield chunk(
+                        [
+                            {
+                                "index": item.index,
+                                "delta": delta,
+                                "logprobs": logprobs if i == 0 else None,
+                                "finish_reason": finish_reason if last else None,
+                            }
+                        ]
+                    )
         if request.include_usage:
             yield chunk([], usage=usage.to_dict())
         yield SSE_DONE

@@ -41,11 +41,12 @@ from vtllm.frontend.sse import (
 )
 
 
-def _check_supported(request: CompletionRequest) -> None:
-    if request.suffix:
-        raise bad_request("suffix is not supported", "suffix")
+def _check_supported(ctx: ServingContext, request: CompletionRequest) -> None:
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of other than n is not supported", "best_of")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    check_token_ids(request.stop_token_ids or [], ctx.vocab_size, "stop_token_ids")
 
 
 def _tokenize(ctx: ServingContext, prompt: str | list[int]) -> list[int]:
@@ -60,7 +61,7 @@ def build_completion_jobs(
 ) -> tuple[list[ChoiceJob], list[str]]:
     """Validate and fan out: one engine request per (prompt, sample). Also returns each
     prompt's text (for ``echo``)."""
-    _check_supported(request)
+    _check_supported(ctx, request)
     prompts = request.prompts()
     requested = explicit_max_tokens(request.max_tokens)
     logprobs = request.logprobs

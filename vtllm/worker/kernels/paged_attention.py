@@ -1,0 +1,448 @@
+"""Unified paged attention: prefill chunks and decodes of one step in a single launch.
+
+KV cache of one layer: ``k_cache`` and ``v_cache``, each
+``[num_blocks, block_size, num_kv_heads, head_dim]``; key ``t`` of sequence ``s`` lives in
+block ``block_tables[s, t // block_size]`` at offset ``t % block_size``.
+
+Sequence ``s`` owns query tokens ``query_start_loc[s] .. query_start_loc[s + 1] - 1``,
+which are its last ``q_len`` tokens: query ``i`` sits at absolute position
+``seq_lens[s] - q_len + i`` and sees keys ``0 .. position`` (and, with a sliding window
+``w``, only keys ``> position - w``). A decode is just a sequence with ``q_len == 1``.
+
+Work split. One program owns ``BLOCK_Q`` consecutive query tokens of one sequence and
+one KV head; its ``BLOCK_M = BLOCK_Q * group_size`` rows are the (token, query head)
+pairs that share that KV head, so K/V tiles are loaded once per group (GQA)::
+
+    row r  ->  token  q_block * BLOCK_Q + r // group_size
+               head   kv_head * group_size + r % group_size
+
+Query blocks are numbered without a host sync: sequence ``s`` starts at query block
+``query_start_loc[s] // BLOCK_Q + s``, which is strictly increasing and leaves room for
+``cdiv(q_len, BLOCK_Q)`` blocks, so ``num_tokens // BLOCK_Q + num_seqs`` programs cover
+every batch; each program finds its sequence by binary search and surplus ones exit::
+
+    query_start_loc [0, 5, 6, 7], BLOCK_Q 4
+    seq:          0       0      (0)   1     2      (spare)
+    query block:  0       1       2    3     4       5
+    tokens:      0..3     4      --    5     6       --
+
+Split-KV (flash-decoding): with ``num_kv_splits > 1`` each (query block, KV head) gets
+that many programs, each over a contiguous share of the key tiles; they write
+unnormalised partial outputs with their running max and sum, and
+``_paged_attention_reduce_kernel`` merges them. It pays off when a few long decodes
+would otherwise leave most of the GPU idle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# A decode-only batch with fewer (sequence, KV head) programs than this is split over
+# the keys; roughly two waves on a 132-SM H100/H200 (MI300X has 304 CUs).
+_SPLIT_TARGET_PROGRAMS = 256
+# Each split must keep at least this many keys, or the reduce costs more than it saves.
+_MIN_KEYS_PER_SPLIT = 512
+_MAX_KV_SPLITS = 32
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]; written when NUM_KV_SPLITS == 1
+    partial_out_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS, HEAD_DIM_PAD] fp32
+    partial_max_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS] fp32, log2 domain
+    partial_sum_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS] fp32
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc_ptr,  # [num_seqs + 1]
+    seq_lens_ptr,  # [num_seqs]
+    block_tables_ptr,  # [num_seqs, max_num_blocks]
+    num_seqs,
+    scale_log2,  # softmax scale * log2(e): scores live in the log2 domain
+    stride_q_token,
+    stride_q_head,
+    stride_o_token,
+    stride_o_head,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    stride_bt_seq,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+):
+    q_block_id = tl.program_id(0)
+    kv_head_id = tl.program_id(1)
+    split_id = tl.program_id(2)
+
+    # the last sequence whose first query block is <= q_block_id
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq_id = lo - 1
+
+    q_start = tl.load(query_start_loc_ptr + seq_id)
+    q_len = tl.load(query_start_loc_ptr + seq_id + 1) - q_start
+    q_block_local = q_block_id - (q_start // BLOCK_Q + seq_id)
+    if q_block_local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq_id)
+    context_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    q_local = q_block_local * BLOCK_Q + offs_m // GROUP_SIZE  # [BLOCK_M]
+    head_id = kv_head_id * GROUP_SIZE + offs_m % GROUP_SIZE  # [BLOCK_M]
+    row_valid = (offs_m < BLOCK_Q * GROUP_SIZE) & (q_local < q_len)  # [BLOCK_M]
+    q_pos = context_len + q_local  # [BLOCK_M] absolute positions
+    token_id = q_start + q_local  # [BLOCK_M]
+
+    q = tl.load(
+        q_ptr
+        + token_id[:, None] * stride_q_token
+        + head_id[:, None] * stride_q_head
+        + offs_d[None, :],
+        mask=row_valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM_PAD]
+
+    # keys this query block can see: [kv_start, kv_end)
+    last_local = tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, q_len) - 1
+    kv_end = context_len + last_local + 1
+    kv_start = 0
+    if SLIDING_WINDOW > 0:
+        first_pos = context_len + q_block_local * BLOCK_Q
+        kv_start = tl.maximum(first_pos - SLIDING_WINDOW + 1, 0) // TILE_N * TILE_N
+    if NUM_KV_SPLITS > 1:
+        tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, TILE_N), NUM_KV_SPLITS)
+        kv_start = kv_start + split_id * tiles_per_split * TILE_N
+        kv_end = tl.minimum(kv_start + tiles_per_split * TILE_N, kv_end)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq_id.to(tl.int64) * stride_bt_seq
+    for tile_start in range(kv_start, kv_end, TILE_N):
+        offs_n = tile_start + tl.arange(0, TILE_N)  # [TILE_N] key positions
+        n_valid = offs_n < kv_end
+        block_id = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
+        block_id = block_id.to(tl.int64)
+        slot_in_block = offs_n % BLOCK_SIZE
+        k = tl.load(
+            k_cache_ptr
+            + block_id[None, :] * stride_k_block
+            + slot_in_block[None, :] * stride_k_slot
+            + kv_head_id * stride_k_head
+            + offs_d[:, None],
+            mask=d_mask[:, None] & n_valid[None, :],
+            other=0.0,
+        )  # [HEAD_DIM_PAD, TILE_N]
+        s = tl.dot(q, k.to(q.dtype), input_precision="ieee") * scale_log2  # [BLOCK_M, TILE_N]
+        visible = row_valid[:, None] & n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+        # rows that have seen no key yet keep -inf; subtract 0 there to avoid inf - inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, TILE_N]
+        alpha = tl.math.exp2(m_i - m_safe)  # [BLOCK_M]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr
+            + block_id[:, None] * stride_v_block
+            + slot_in_block[:, None] * stride_v_slot
+            + kv_head_id * stride_v_head
+            + offs_d[None, :],
+            mask=n_valid[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [TILE_N, HEAD_DIM_PAD]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+        m_i = m_new
+
+    if NUM_KV_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr
+            + token_id[:, None] * stride_o_token
+            + head_id[:, None] * stride_o_head
+            + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & d_mask[None, :],
+        )
+    else:
+        num_heads = tl.num_programs(1) * GROUP_SIZE
+        partial_id = (token_id.to(tl.int64) * num_heads + head_id) * NUM_KV_SPLITS + split_id
+        tl.store(
+            partial_out_ptr + partial_id[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+            acc,
+            mask=row_valid[:, None],
+        )
+        tl.store(partial_max_ptr + partial_id, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + partial_id, l_i, mask=row_valid)
+
+
+@triton.jit
+def _paged_attention_reduce_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    partial_out_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS, HEAD_DIM_PAD] fp32
+    partial_max_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS] fp32, log2 domain
+    partial_sum_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS] fp32
+    query_start_loc_ptr,  # [num_seqs + 1]
+    num_seqs,
+    stride_o_token,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+):
+    token_id = tl.program_id(0)
+    head_id = tl.program_id(1)
+    if token_id >= tl.load(query_start_loc_ptr + num_seqs):
+        return  # a padding row: no partials were written for it
+    offs_s = tl.arange(0, NUM_KV_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    first = (token_id.to(tl.int64) * tl.num_programs(1) + head_id) * NUM_KV_SPLITS
+    split_max = tl.load(partial_max_ptr + first + offs_s)  # [NUM_KV_SPLITS]
+    split_sum = tl.load(partial_sum_ptr + first + offs_s)  # [NUM_KV_SPLITS]
+    global_max = tl.max(split_max, 0)
+    global_max = tl.where(global_max == float("-inf"), 0.0, global_max)
+    weight = tl.math.exp2(split_max - global_max)  # [NUM_KV_SPLITS]; empty splits get 0
+    split_out = tl.load(
+        partial_out_ptr + (first + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :]
+    )  # [NUM_KV_SPLITS, HEAD_DIM_PAD]
+    numerator = tl.sum(split_out * weight[:, None], 0)  # [HEAD_DIM_PAD]
+    denominator = tl.sum(split_sum * weight, 0)
+    out = numerator / tl.where(denominator == 0.0, 1.0, denominator)
+    tl.store(
+        out_ptr + token_id * stride_o_token + head_id * stride_o_head + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+def choose_num_kv_splits(
+    num_tokens: int, num_seqs: int, num_kv_heads: int, max_seq_len: int | None
+) -> int:
+    """How many KV splits the launcher uses when not told: 1 unless decode-only and long.
+
+    Split only when every sequence decodes one token, the (sequence, KV head) programs
+    would not fill the GPU, and the longest sequence gives each split at least
+    ``_MIN_KEYS_PER_SPLIT`` keys. Without ``max_seq_len`` (unknown without a sync) never
+    split. Returns a power of two.
+    """
+    if max_seq_len is None or num_tokens != num_seqs:
+        return 1
+    num_programs = num_seqs * num_kv_heads
+    if num_programs >= _SPLIT_TARGET_PROGRAMS:
+        return 1
+    wanted = triton.next_power_of_2(-(-_SPLIT_TARGET_PROGRAMS // num_programs))
+    affordable = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
+    affordable = 1 << (affordable.bit_length() - 1)  # round down to a power of two
+    return min(wanted, affordable, _MAX_KV_SPLITS)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32/int64, cumulative query lengths
+    seq_lens: torch.Tensor,  # [num_seqs] int32/int64, tokens incl. this step's
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32/int64
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    max_seq_len: int | None = None,
+    num_kv_splits: int | None = None,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged keys and values.
+
+    The step's K/V must already be in the cache (``reshape_and_cache``). Sequence ``s``
+    owns query rows ``query_start_loc[s] .. query_start_loc[s + 1] - 1``, its last
+    ``q_len`` tokens; query ``i`` sits at position ``p = seq_lens[s] - q_len + i`` and
+    attends to keys ``0 .. p`` (``p - sliding_window + 1 .. p`` with a window). Query
+    head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. Rows past
+    ``query_start_loc[-1]`` are left untouched. Softmax runs in fp32.
+
+    ``max_seq_len`` (a host-side hint, e.g. from the CPU copy of ``seq_lens``) lets the
+    launcher pick the split-KV path for long decodes; ``num_kv_splits`` forces it
+    (a power of two > 1) or forces the single pass (1). Returns ``out``
+    ``[num_tokens, num_heads, head_dim]`` in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    _check_inputs(q, k_cache, v_cache, query_start_loc, block_tables, num_seqs)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if cache_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} but the KV cache has {cache_head_dim}")
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(num_tokens, num_seqs, num_kv_heads, max_seq_len)
+    if num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1):
+        raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    group_size = num_heads // num_kv_heads
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    # Decode-only batches need few query rows per program and wide key tiles; prefill
+    # wants taller query tiles. Picked by a sweep on an H200 (bf16, head_dim 128):
+    # prefill 64x32 with 4 warps and 2 stages ran 2x faster than 64x64 with 8 warps.
+    decode_only = num_tokens == num_seqs
+    block_m = max(16 if decode_only else 64, triton.next_power_of_2(group_size))
+    block_q = block_m // group_size
+    tile_n = 64 if decode_only and head_dim_pad <= 128 else 32
+    num_q_blocks = num_tokens // block_q + num_seqs
+    if num_kv_splits > 1:
+        partial_out = torch.empty(
+            num_tokens, num_heads, num_kv_splits, head_dim_pad, dtype=torch.float32, device=q.device
+        )
+        partial_max = torch.empty(
+            num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=q.device
+        )
+        partial_sum = torch.empty_like(partial_max)
+    else:
+        partial_out = partial_max = partial_sum = out  # unused by the kernel
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_kv_splits)](
+        out,
+        partial_out,
+        partial_max,
+        partial_sum,
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        num_seqs,
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        GROUP_SIZE=group_size,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        TILE_N=tile_n,
+        BLOCK_SIZE=block_size,
+        SLIDING_WINDOW=sliding_window or 0,
+        NUM_KV_SPLITS=num_kv_splits,
+        num_warps=4 if head_dim_pad <= 128 else 8,
+        num_stages=2,
+    )
+    if num_kv_splits > 1:
+        _paged_attention_reduce_kernel[(num_tokens, num_heads)](
+            out,
+            partial_out,
+            partial_max,
+            partial_sum,
+            query_start_loc,
+            num_seqs,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            NUM_KV_SPLITS=num_kv_splits,
+            num_warps=4,
+        )
+    return out
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_tables: torch.Tensor,
+    num_seqs: int,
+) -> None:
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) axis")
+    if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"{num_seqs} sequences need query_start_loc [{num_seqs + 1}] and block_tables "
+            f"[{num_seqs}, *], got {tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}"
+        )
+    if not query_start_loc.is_contiguous() or block_tables.stride(-1) != 1:
+        raise ValueError("query_start_loc and block_tables rows must be contiguous")
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks]
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    max_seq_len: int | None = None,
+    num_kv_splits: int | None = None,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Plain-torch ``paged_attention`` (same contract), one sequence at a time in fp32.
+
+    ``max_seq_len`` and ``num_kv_splits`` only steer the kernel and are ignored here.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for seq_id, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[seq_id], starts[seq_id + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        key_pos = torch.arange(seq_len, device=q.device)  # [seq_len]
+        blocks = block_tables[seq_id, key_pos // block_size].long()  # [seq_len]
+        k = k_cache[blocks, key_pos % block_size].float()  # [seq_len, num_kv_heads, head_dim]
+        v = v_cache[blocks, key_pos % block_size].float()
+        k = k.repeat_interleave(group_size, dim=1)  # [seq_len, num_heads, head_dim]
+        v = v.repeat_interleave(group_size, dim=1)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [q_len]
+        visible = key_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        if sliding_window:
+            visible &= key_pos[None, :] > q_pos[:, None] - sliding_window
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        scores = scores.masked_fill(~visible, float("-inf"))  # [num_heads, q_len, seq_len]
+        probs = scores.softmax(dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out
