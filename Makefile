@@ -47,8 +47,8 @@ serve: install
 	$(VENV)/bin/vtllm serve $(ARGS)
 
 lint: install-test
-	$(VENV)/bin/ruff check vtllm tests benchmarks
-	$(VENV)/bin/ruff format --check vtllm tests benchmarks
+	$(VENV)/bin/ruff check vtllm tests benchmarks examples
+	$(VENV)/bin/ruff format --check vtllm tests benchmarks examples
 
 format: install-test
 	$(VENV)/bin/ruff format vtllm tests benchmarks

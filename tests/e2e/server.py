@@ -93,7 +93,9 @@ class ServerProcess:
         deadline = started + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise AssertionError(f"server exited with {self.process.returncode}:\n{self.tail()}")
+                raise AssertionError(
+                    f"server exited with {self.process.returncode}:\n{self.tail()}"
+                )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return time.monotonic() - started
