@@ -15,6 +15,8 @@ from tests.e2e.server import ServerProcess, engine_utility
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# over two 16-token blocks, so an identical second request hits the prefix cache
+LONG_PROMPT = "Count slowly and carefully from one to twenty, writing every number out in full words: one, two,"
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +156,7 @@ def test_metrics_move_by_the_right_amounts(server, client, model):
 
     before = scrape()
     for _ in range(2):
-        client.completions.create(model=model, prompt="One, two,", max_tokens=5, temperature=0)
+        client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=5, temperature=0)
     after = scrape()
 
     def delta(key: str) -> float:
