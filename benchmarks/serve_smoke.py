@@ -1,5 +1,6 @@
 """Serving figures for a real `vtllm serve`: time to healthy (first run with an empty
-cache, then cached), single-stream decode tok/s, aggregate tok/s at N concurrent streams.
+cache, then cached), single-stream decode tok/s, aggregate tok/s at N concurrent streams,
+and in the same run the `transformers` generate baseline on the same converted model.
 
     .venv/bin/python benchmarks/serve_smoke.py [--concurrency 8] [--output-tokens 128] \
         [-- extra vtllm serve flags]
@@ -79,6 +80,41 @@ async def measure(url: str, concurrency: int, output_tokens: int) -> dict:
     }
 
 
+def transformers_baseline(model_dir: Path, concurrency: int, output_tokens: int) -> dict:
+    """`transformers` generate on the same converted model, dtype and device (CPU, fp32):
+    batch-1 decode tok/s (prefill subtracted) and batch-N aggregate tok/s."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    text = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+
+    def run(batch: torch.Tensor, new_tokens: int) -> float:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                batch,
+                attention_mask=torch.ones_like(batch),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+            )
+        return time.perf_counter() - started
+
+    run(ids, 4)  # warm-up
+    prefill = run(ids, 1)
+    single = (output_tokens - 1) / (run(ids, output_tokens) - prefill)
+    batch = ids.repeat(concurrency, 1)
+    aggregate = concurrency * output_tokens / run(batch, output_tokens)
+    return {
+        "transformers_single_stream_decode_tok_s": round(single, 2),
+        f"transformers_aggregate_tok_s_at_{concurrency}": round(aggregate, 2),
+        "transformers": transformers.__version__,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, default=8)
@@ -98,6 +134,8 @@ def main() -> None:
                 )
         finally:
             server.stop()
+    model_dir = next((cache_dir / "models").iterdir())
+    results.update(transformers_baseline(model_dir, args.concurrency, args.output_tokens))
     print(json.dumps(results, indent=2))
 
 
