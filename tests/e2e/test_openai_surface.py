@@ -168,6 +168,8 @@ def test_metrics_move_by_the_right_amounts(server, client, model):
     assert delta("vtllm:e2e_request_latency_seconds_count") == 2
     assert delta("vtllm:time_to_first_token_seconds_count") == 2
     assert delta("vtllm:request_generation_tokens_count") == 2
+    assert delta("vtllm:request_queue_time_seconds_count") == 2
+    assert delta("vtllm:request_prefill_time_seconds_count") == 2
     assert delta("vtllm:inter_token_latency_seconds_count") == 8
     assert delta("vtllm:prefix_cache_queries_total") > 0
     assert delta("vtllm:prefix_cache_hits_total") > 0  # the second request hit the first's blocks

@@ -339,3 +339,13 @@ def test_reset_prefix_cache_refuses_while_in_use():
     run_to_completion(core)
     assert core.utility("reset_prefix_cache", []) is True
     assert core.scheduler.kv.pool.cached_blocks == {}
+
+
+def test_first_token_output_carries_engine_timings():
+    core, _ = make_core()
+    add(core, "a", prompt_of(9), max_tokens=3)
+    ((_, first),) = core.step()[0]
+    assert first.queue_time_s is not None and first.queue_time_s >= 0.0
+    assert first.prefill_time_s is not None and first.prefill_time_s >= 0.0
+    ((_, second),) = core.step()[0]
+    assert second.queue_time_s is None and second.prefill_time_s is None

@@ -52,6 +52,8 @@ class FakeEngine:
         self.refuse_reason: str | None = None
         self.silent = False
         self.report_before_first_token = False
+        # engine-side (queue, prefill) seconds sent with each request's first token
+        self.first_token_timings: tuple[float, float] | None = None
         self.added: list[m.AddRequest] = []
         self.aborted: list[str] = []
         self.goodbyes = 0
@@ -187,6 +189,8 @@ class FakeEngine:
                 num_prompt_tokens=len(live.request.prompt_token_ids),
                 new_logprobs=[-0.5] if params.logprobs is not None else None,
             )
+            if live.next_idx == 1 and self.first_token_timings is not None:
+                output.queue_time_s, output.prefill_time_s = self.first_token_timings
             sock.send_multipart([live.identity, codec.encode(m.EngineOutputs([output]))])
             live.due = now + self.token_interval_s
             if finish is not None:

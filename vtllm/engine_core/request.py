@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import time
 from array import array
 
 from vtllm.protocol.messages import FinishReason, SamplingParams
@@ -87,6 +88,8 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet
         self.prefix_stats_recorded = False  # once per admission (reset on preemption)
         self.num_preemptions = 0
+        self.received_time = time.monotonic()  # engine clock
+        self.first_scheduled_time: float | None = None
         self.stop_token_id: int | None = None
         self.error: str | None = None
         # How many of all_token_ids the workers hold; None = they hold no state for it.

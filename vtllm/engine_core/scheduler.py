@@ -189,6 +189,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             num_scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = block_ids
             scheduled.append(request)
@@ -263,21 +265,21 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.append_output_token(token_id)
+            is_first_token = request.num_output_tokens == 1
             status = self._check_stop(request, token_id)
             if status is not None:
                 self.running.remove(request)
                 self._free(request, status)
-            outputs.append(
-                (
-                    request,
-                    self._output(
-                        request,
-                        [token_id],
-                        [logprobs[i]] if logprobs is not None else None,
-                        [top_logprobs[i]] if top_logprobs is not None else None,
-                    ),
-                )
+            output = self._output(
+                request,
+                [token_id],
+                [logprobs[i]] if logprobs is not None else None,
+                [top_logprobs[i]] if top_logprobs is not None else None,
             )
+            if is_first_token and request.first_scheduled_time is not None:
+                output.queue_time_s = request.first_scheduled_time - request.received_time
+                output.prefill_time_s = time.monotonic() - request.first_scheduled_time
+            outputs.append((request, output))
         for request_id, error in result.errors.items():
             request = self.requests.get(request_id)
             if request is None or request.status.is_finished:
@@ -337,7 +339,3 @@ class Scheduler:
         )
         self.num_preemptions = 0
         return stats
-
-
-def now() -> float:
-    return time.time()

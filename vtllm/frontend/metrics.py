@@ -8,12 +8,13 @@ per-request token timings from the outputs), so a scrape only reads. It owns its
 Per-request timeline as the frontend sees it (``time.monotonic()``)::
 
     added ──── first report ──── first token ── token ── ... ── last token ── done
-      |<- queue (approx.) ->|<- prefill ->|<- itl ->|              |
+      |<- queue (engine) ->|<- prefill (engine) ->|<- itl ->|      |
       |<------------- ttft -------------->|<------- decode ------->|
       |<------------------------------- e2e ------------------------------->|
 
-The engine reports a request first when it samples its first token, so "queue" includes
-the prefill and "prefill" reads ~0 until ``RequestOutput`` carries engine-side timestamps.
+Queue and prefill times come from the engine core (``RequestOutput.queue_time_s`` /
+``prefill_time_s`` on the first token's output): the frontend cannot see when a request
+is first scheduled.
 """
 
 from __future__ import annotations
@@ -141,15 +142,14 @@ class FrontendMetrics:
         )
         self.request_queue_time = histogram(
             "vtllm:request_queue_time_seconds",
-            "Approximate queue time: arrival at the frontend until the engine first reports "
-            "on the request; today that report carries the first token, so this includes "
-            "the prefill.",
+            "Seconds from the engine core receiving a request to its first scheduling "
+            "(engine clock), observed when the first token arrives.",
             _REQUEST_BUCKETS,
         )
         self.request_prefill_time = histogram(
             "vtllm:request_prefill_time_seconds",
-            "Approximate prefill time: the engine's first report on a request to its first "
-            "token; reads ~0 while the engine reports first with the first token.",
+            "Seconds from a request's first scheduling to its first token (engine clock): "
+            "the prefill, over however many chunks it took.",
             _REQUEST_BUCKETS,
         )
         self.request_decode_time = histogram(
@@ -209,7 +209,6 @@ class FrontendMetrics:
     def _fold_output(self, times: _RequestTimes, output: m.RequestOutput, now: float) -> None:
         if times.first_report is None:
             times.first_report = now
-            self.request_queue_time.observe(now - times.added)
             num_prompt = output.num_prompt_tokens or times.num_prompt_tokens
             times.num_prompt_tokens = num_prompt
             self.prompt_tokens.inc(num_prompt)
@@ -220,7 +219,14 @@ class FrontendMetrics:
         if times.first_token is None:
             times.first_token = now
             self.time_to_first_token.observe(now - times.added)
-            self.request_prefill_time.observe(now - times.first_report)
+            # engine-side timings when the engine sends them (vtllm's engine core does);
+            # otherwise the frontend's view, where the queue includes the prefill
+            if output.queue_time_s is not None and output.prefill_time_s is not None:
+                self.request_queue_time.observe(output.queue_time_s)
+                self.request_prefill_time.observe(output.prefill_time_s)
+            else:
+                self.request_queue_time.observe(now - times.added)
+                self.request_prefill_time.observe(0.0)
         else:
             assert times.last_token is not None
             self.inter_token_latency.observe(now - times.last_token)

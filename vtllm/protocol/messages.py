@@ -162,6 +162,10 @@ class RequestOutput(_Part):
     # logprob of each new token, and (if asked) the top-N (token id, logprob) pairs
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Engine-side timings, on the output that carries a request's first token: seconds
+    # from the engine receiving it to its first scheduling, and from then to that token.
+    queue_time_s: float | None = None
+    prefill_time_s: float | None = None
 
 
 class EngineOutputs(_Message, tag="outputs"):
