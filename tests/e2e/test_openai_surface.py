@@ -194,3 +194,19 @@ def test_client_disconnect_aborts_and_frees_blocks(server, model):
         stats = engine_utility(server, "get_stats")
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_logit_bias_and_penalties_reach_the_model(server, client, model):
+    token = httpx.post(f"{server.url}/tokenize", json={"prompt": " banana"}).json()["tokens"][-1]
+    forced = client.completions.create(
+        model=model, prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(token): 100}
+    )
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": forced.choices[0].text}).json()
+    assert set(ids["tokens"]) == {token}, forced.choices[0].text
+    plain = client.completions.create(
+        model=model, prompt="One, one, one,", max_tokens=8, temperature=0
+    )
+    penalised = client.completions.create(
+        model=model, prompt="One, one, one,", max_tokens=8, temperature=0, frequency_penalty=2.0
+    )
+    assert penalised.choices[0].text != plain.choices[0].text

@@ -100,7 +100,7 @@ async def test_client_errors_are_openai_shaped(serve) -> None:
         (CHAT, json.dumps({**_user(), "model": "gpt-9"}).encode(), 404, "model"),
         (
             CHAT,
-            json.dumps({**_user(), "response_format": {"type": "json_object"}}).encode(),
+            json.dumps({**_user(), "response_format": {"type": "json_schema"}}).encode(),
             400,
             "response_format",
         ),
@@ -183,8 +183,15 @@ async def test_unsupported_fields_are_400_not_ignored(serve) -> None:
     served = await serve()
     user = _user()
     cases = [
-        (CHAT, {**user, "logit_bias": {"5": 10}}, "logit_bias", "not supported yet"),
-        (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"5": -100}}, "logit_bias", "not supported"),
+        (CHAT, {**user, "logit_bias": {"x": 10}}, "logit_bias", "must be token ids"),
+        (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"999999": -1}}, "logit_bias", "range"),
+        (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"5": -101}}, "logit_bias[...]", ">= -100"),
+        (
+            CHAT,
+            {**user, "response_format": {"type": "json_schema"}},
+            "response_format",
+            "json_object",
+        ),
         (COMPLETIONS, {"prompt": "Hi", "guided_json": {}}, "guided_json", "constrained"),
         (COMPLETIONS, {"prompt": "Hi", "use_beam_search": True}, "use_beam_search", "beam"),
         (COMPLETIONS, {"prompt": "Hi", "suffix": "end"}, "suffix", "not supported yet"),
@@ -225,3 +232,16 @@ async def test_template_failure_on_content_is_400(serve) -> None:
     served = await serve()
     r = await served.http.post(CHAT, json={"messages": [{"role": "user", "content": None}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+async def test_logit_bias_and_json_object_reach_the_engine(serve) -> None:
+    served = await serve()
+    response = await served.http.post(
+        COMPLETIONS, json={"prompt": "Hi", "logit_bias": {"5": 7.5, "9": -100}}
+    )
+    assert response.status_code == 200, response.text
+    assert served.fake.added[-1].sampling_params.logit_bias == {5: 7.5, 9: -100.0}
+    response = await served.http.post(
+        CHAT, json={**_user(), "response_format": {"type": "json_object"}}
+    )
+    assert response.status_code == 200, response.text

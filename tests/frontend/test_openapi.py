@@ -81,7 +81,8 @@ async def test_openapi_lists_every_route(serve) -> None:
     # request schemas carry the decoder's constraints
     chat = schemas["ChatCompletionRequest"]["properties"]
     assert chat["temperature"]["anyOf"][0] == {"type": "number", "minimum": 0.0, "maximum": 2.0}
-    assert chat["logit_bias"]["anyOf"][0]["maxProperties"] == 0
+    bias = chat["logit_bias"]["anyOf"][0]["additionalProperties"]
+    assert bias == {"type": "number", "minimum": -100.0, "maximum": 100.0}
     assert "tools" in chat and "tool_choice" in chat and "messages" in chat
     completion = schemas["CompletionRequest"]
     assert "prompt" in completion["properties"] and "messages" not in completion["properties"]

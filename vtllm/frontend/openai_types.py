@@ -72,8 +72,6 @@ _NO_CONSTRAINED_DECODING = (
 )
 # Declared fields whose only accepted value is "off": the message for any other value.
 UNSUPPORTED_FIELDS = {
-    "logit_bias": "logit_bias is not supported yet (the engine cannot bias logits); "
-    "remove it or send an empty object",
     "prompt_logprobs": "prompt_logprobs is not supported yet; remove it or send null",
     "use_beam_search": "beam search is not supported; remove use_beam_search",
     "include_stop_str_in_output": "include_stop_str_in_output is not supported yet; "
@@ -183,9 +181,8 @@ class _SamplingFields(msgspec.Struct):
     user: str | None = None
     priority: Int64 = 0
     cache_salt: str | None = None
-    logit_bias: (
-        Annotated[dict[str, float], msgspec.Meta(max_length=0), _off("only {} or null")] | None
-    ) = None
+    # token id (as a JSON object key) → bias added to its logit, -100..100
+    logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
     prompt_logprobs: Annotated[None, _off("only null")] = None
     use_beam_search: Annotated[Literal[False], _off("only false")] = False
     include_stop_str_in_output: Annotated[Literal[False], _off("only false")] = False

@@ -72,6 +72,7 @@ def build_sampling_params(
     seed: int | None,
     extra_stop_token_ids: Sequence[int] = (),
     logprobs: int | None = None,
+    logit_bias: dict[int, float] | None = None,
 ) -> SamplingParams:
     """``SamplingParams`` for one engine request. ``extra_stop_token_ids`` (the model's eos
     tokens the engine may not know of) are added unless the request ignores eos."""
@@ -93,7 +94,31 @@ def build_sampling_params(
         frequency_penalty=request.frequency_penalty or 0.0,
         repetition_penalty=request.repetition_penalty or 1.0,
         logprobs=logprobs,
+        logit_bias=logit_bias or {},
     )
+
+
+def parse_logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """``{"50256": -100}`` → ``{50256: -100.0}``; a key that is not a token id of this
+    vocabulary is a 400 naming ``logit_bias``."""
+    if not raw:
+        return {}
+    bias = {}
+    for key, value in raw.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(
+                f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
+            ) from None
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(
+                f"logit_bias token id {token_id} is out of range; the vocabulary has "
+                f"{vocab_size} tokens",
+                "logit_bias",
+            )
+        bias[token_id] = float(value)
+    return bias
 
 
 def choice_seed(seed: int | None, choice_idx: int) -> int | None:

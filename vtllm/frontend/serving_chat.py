@@ -32,6 +32,7 @@ from vtllm.frontend.sampling import (
     check_token_ids,
     choice_seed,
     explicit_max_tokens,
+    parse_logit_bias,
     resolve_max_tokens,
 )
 from vtllm.frontend.serving_context import (
@@ -72,9 +73,12 @@ def _check_supported(request: ChatCompletionRequest) -> None:
     if not request.messages:
         raise bad_request("messages must contain at least one message", "messages")
     fmt = (request.response_format or {}).get("type", "text")
-    if fmt != "text":
+    # json_object is accepted as OpenAI clients send it, but output is not constrained yet
+    # (docs/USAGE.md says so); json_schema would promise a shape we cannot guarantee.
+    if fmt not in ("text", "json_object"):
         raise bad_request(
-            f"response_format type {fmt!r} is not supported (no constrained decoding); use 'text'",
+            f"response_format type {fmt!r} is not supported (no constrained decoding yet); "
+            "use 'text' or 'json_object' (accepted, not enforced)",
             "response_format",
         )
     if request.top_logprobs and not request.logprobs:
@@ -171,6 +175,7 @@ def build_chat_jobs(
     """Validate the request and turn it into one engine request per choice."""
     _check_supported(request)
     check_token_ids(request.stop_token_ids or [], ctx.vocab_size, "stop_token_ids")
+    logit_bias = parse_logit_bias(request.logit_bias, ctx.vocab_size)
     prompt_ids = chat_prompt_token_ids(
         ctx,
         request.messages,
@@ -203,6 +208,7 @@ def build_chat_jobs(
                 choice_seed(request.seed, i),
                 ctx.extra_stop_token_ids,
                 logprobs,
+                logit_bias,
             ),
             stop=request.stop_strings,
             priority=request.priority,

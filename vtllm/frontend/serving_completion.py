@@ -20,6 +20,7 @@ from vtllm.frontend.sampling import (
     check_token_ids,
     choice_seed,
     explicit_max_tokens,
+    parse_logit_bias,
     resolve_max_tokens,
 )
 from vtllm.frontend.serving_context import (
@@ -65,6 +66,7 @@ def build_completion_jobs(
     prompts = request.prompts()
     requested = explicit_max_tokens(request.max_tokens)
     logprobs = request.logprobs
+    logit_bias = parse_logit_bias(request.logit_bias, ctx.vocab_size)
     jobs, prompt_texts = [], []
     for prompt_idx, prompt in enumerate(prompts):
         prompt_ids = _tokenize(ctx, prompt)
@@ -81,6 +83,7 @@ def build_completion_jobs(
                 choice_seed(request.seed, i),
                 ctx.extra_stop_token_ids,
                 logprobs,
+                logit_bias,
             )
             jobs.append(
                 ChoiceJob(
