@@ -79,6 +79,21 @@ def test_curve_secured_engine_serves_key_holders_only(smollm2_dir, vt_cache_dir,
         assert sum(len(o.new_token_ids) for o in outputs) == 4
         assert outputs[-1].finish_reason == m.FinishReason.LENGTH
         client.close()
+        # the HTTP frontend (asyncio client) with the same key file
+        srv = ServerProcess(
+            "--engine-address",
+            local,
+            "--engine-curve-key-file",
+            str(keys_file),
+            cache_dir=vt_cache_dir,
+        ).start()
+        try:
+            srv.wait_healthy()
+            body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+            reply = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+            assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+        finally:
+            srv.stop()
     finally:
         assert _stop(process) == 0, log.read_text()
 

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tests.frontend.fake_engine import FakeEngine
 from vtllm.config import VtllmConfig
 from vtllm.frontend.app import build_app
-from vtllm.frontend.engine_client import EngineClient
+from vtllm.protocol.async_client import EngineClient
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

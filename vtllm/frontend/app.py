@@ -32,7 +32,6 @@ from starlette.routing import Route
 import vtllm
 from vtllm import envs
 from vtllm.config import VtllmConfig
-from vtllm.frontend.engine_client import EngineClient, EngineDeadError, HandshakeError
 from vtllm.frontend.generation import GenerationError, error_for
 from vtllm.frontend.metrics import FrontendMetrics, StatsLogger
 from vtllm.frontend.openai_types import OpenAIError
@@ -42,6 +41,8 @@ from vtllm.frontend.serving_completion import create_completion
 from vtllm.frontend.serving_context import ServingContext, json_response, now_s
 from vtllm.frontend.serving_tokenize import detokenize, tokenize
 from vtllm.frontend.tokenizer import ModelTokenizer
+from vtllm.protocol import transport
+from vtllm.protocol.async_client import EngineClient, EngineDeadError, HandshakeError
 
 logger = logging.getLogger(__name__)
 
@@ -258,8 +259,13 @@ async def _serve(
             server.should_exit = True
 
     try:
+        key_file = config.engine.engine_curve_key_file
         await engine.connect(
-            engine_address, f"frontend-{os.getpid()}", engine_alive=engine_alive, on_dead=on_dead
+            engine_address,
+            f"frontend-{os.getpid()}",
+            engine_alive=engine_alive,
+            on_dead=on_dead,
+            curve_keys=transport.CurveKeys.load(key_file) if key_file else None,
         )
     except HandshakeError as e:
         logger.error("%s", e)

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from vtllm.frontend.detokenizer import OutputText
-from vtllm.frontend.engine_client import EngineClient, EngineDeadError
 from vtllm.frontend.openai_types import OpenAIError
 from vtllm.frontend.tokenizer import ModelTokenizer
+from vtllm.protocol.async_client import EngineClient, EngineDeadError
 from vtllm.protocol.messages import FinishReason, SamplingParams
 
 

@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.responses import Response
 
-from vtllm.frontend.engine_client import EngineClient
 from vtllm.frontend.generation import ChoiceDelta
 from vtllm.frontend.openai_types import OpenAIError
 from vtllm.frontend.tokenizer import ModelTokenizer
+from vtllm.protocol.async_client import EngineClient
 
 T = TypeVar("T")
 

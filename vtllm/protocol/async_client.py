@@ -28,18 +28,11 @@ import zmq.asyncio
 from vtllm import envs
 from vtllm.protocol import codec, transport
 from vtllm.protocol import messages as m
+from vtllm.protocol.client import EngineDeadError, HandshakeError
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # how often the loop checks the probe and the silence timeout
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core is gone; no request can be served."""
-
-
-class HandshakeError(RuntimeError):
-    """The engine core refused the handshake or did not answer in time."""
 
 
 class UtilityError(RuntimeError):
@@ -114,16 +107,19 @@ class EngineClient:
         engine_alive: Callable[[], bool] | None = None,
         on_dead: Callable[[str], Any] | None = None,
         timeout_s: float | None = None,
+        curve_keys: transport.CurveKeys | None = None,
     ) -> m.Ready:
         """Connect and handshake. Returns the engine's ``Ready``; raises HandshakeError on
         refusal, on a timeout (default: worker start timeout + heartbeat timeout), or when
-        ``engine_alive`` turns false while waiting."""
+        ``engine_alive`` turns false while waiting. ``curve_keys``: the engine's key file
+        when it listens on a CurveZMQ-secured tcp:// address."""
         if timeout_s is None:
             timeout_s = envs.VT_WORKER_START_TIMEOUT_S + envs.VT_HEARTBEAT_TIMEOUT_S
         self._engine_alive, self._on_dead = engine_alive, on_dead
         self._ctx = zmq.asyncio.Context()
         self._socket = transport.configure(self._ctx.socket(zmq.DEALER))
         self._socket.setsockopt(zmq.LINGER, 200)  # long enough for Goodbye to leave
+        transport.secure_client(self._socket, curve_keys)
         self._socket.connect(address)
         await self._send(m.Hello(protocol_version=m.PROTOCOL_VERSION, client_name=client_name))
         deadline = time.monotonic() + timeout_s

@@ -8,13 +8,13 @@ import pytest
 
 from tests.frontend.conftest import wait_until
 from tests.frontend.fake_engine import FakeEngine
-from vtllm.frontend.engine_client import (
+from vtllm.protocol import messages as m
+from vtllm.protocol.async_client import (
     EngineClient,
     EngineDeadError,
     HandshakeError,
     UtilityError,
 )
-from vtllm.protocol import messages as m
 
 
 @pytest.fixture
