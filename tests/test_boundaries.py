@@ -64,10 +64,17 @@ def test_packages_share_only_protocol(package, forbidden):
     assert not offenders, offenders
 
 
-def test_torch_cuda_only_in_platform():
+VENDOR_ONLY = re.compile(
+    r"torch\.cuda\b|torch\.version\.(cuda|hip)\b|torch\.backends\.(cuda|cudnn)\b"
+    r"|\bimport (pycuda|cupy|hip)\b|\bnvml\b|\bamdsmi\b"
+)
+
+
+def test_vendor_apis_only_in_platform():
+    """CUDA vs ROCm vs CPU is decided in worker/platform.py alone."""
     offenders = [
         str(path.relative_to(ROOT))
         for path in PACKAGE.rglob("*.py")
-        if path.name != "platform.py" and re.search(r"torch\.cuda\b", path.read_text())
+        if path.name != "platform.py" and VENDOR_ONLY.search(path.read_text())
     ]
     assert not offenders, offenders

@@ -34,3 +34,15 @@ def test_every_variable_is_documented():
         f"undocumented: {sorted(set(envs.names()) - documented)}, "
         f"documented but unknown: {sorted(documented - set(envs.names()))}"
     )
+
+
+def test_durations_accept_units(monkeypatch):
+    monkeypatch.setenv("VT_SSE_KEEPALIVE_S", "500ms")
+    monkeypatch.setenv("VT_ENGINE_STEP_LOG", "2m")
+    assert envs.VT_SSE_KEEPALIVE_S == 0.5
+    assert envs.VT_ENGINE_STEP_LOG == 120.0
+    monkeypatch.setenv("VT_HEARTBEAT_TIMEOUT_S", "soon")
+    import pytest
+
+    with pytest.raises(ValueError, match="VT_HEARTBEAT_TIMEOUT_S"):
+        _ = envs.VT_HEARTBEAT_TIMEOUT_S

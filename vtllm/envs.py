@@ -13,13 +13,16 @@ from typing import Any
 
 
 def _optional_float(name: str) -> float | None:
+    """A duration in seconds; units accepted (``500ms``, ``10s``, ``2m``)."""
+    from vtllm.config import parse_duration
+
     value = os.environ.get(name, "").strip()
     if not value:
         return None
     try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+        return parse_duration(value)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _float(name: str, default: float) -> float:
