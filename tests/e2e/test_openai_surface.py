@@ -10,33 +10,13 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.server import ServerProcess, engine_utility
+from tests.e2e.conftest import QUESTION
+from tests.e2e.server import engine_utility
 
 pytestmark = pytest.mark.slow
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # over two 16-token blocks, so an identical second request hits the prefix cache
 LONG_PROMPT = "Count slowly and carefully from one to twenty, writing every number out in full words: one, two,"
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_dir, vt_cache_dir):
-    srv = ServerProcess("--kv-cache-memory", "512MiB", cache_dir=vt_cache_dir).start()
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def test_async_client_streams(server, model):

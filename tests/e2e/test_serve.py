@@ -12,33 +12,10 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.e2e.conftest import QUESTION
 from tests.e2e.server import ServerProcess, cmdline, descendants, is_alive
 
 pytestmark = pytest.mark.slow
-
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_dir, vt_cache_dir):
-    srv = ServerProcess("--kv-cache-memory", "512MiB", cache_dir=vt_cache_dir).start()
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    served = [m.id for m in client.models.list().data]
-    assert served == ["SmolLM2-135M-Instruct"]
-    return served[0]
 
 
 def test_chat_answers_paris(client, model):
