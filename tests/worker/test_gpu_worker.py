@@ -68,3 +68,45 @@ def test_worker_process_profiles_gpu_memory(tmp_path):
     finally:
         _join(procs, timeout_s=1.0)
         engine.close()
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama3-8b"])
+def test_realistic_shape_bf16_matches_transformers(shape, tmp_path):
+    """Full hidden / head / vocab dimensions of Qwen3-0.6B and Llama-3-8B (4 layers, random
+    weights), bf16 on both sides: prefill + 16 decode steps, two requests per batch."""
+    import random
+
+    import transformers
+
+    from vtllm.bench import MODEL_SHAPES
+
+    settings = dict(MODEL_SHAPES[shape], num_hidden_layers=4)
+    model_type = settings.pop("model_type")
+    settings.pop("architectures")
+    config = transformers.AutoConfig.for_model(model_type, **settings)
+    device = detect_platform(0).device
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    hf_model.eval().save_pretrained(tmp_path, safe_serialization=True)
+    runner = ModelRunner.from_model_dir(tmp_path, device, torch.bfloat16, seed=0)
+    runner.init_kv_cache(num_blocks=256, block_size=16)
+    engine = EngineSim(runner.execute, num_blocks=256, block_size=16)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, logprobs=20)
+    engine.add("a", [rng.randrange(10, 1000) for _ in range(100)], params)
+    engine.add("b", [rng.randrange(10, 1000) for _ in range(7)], params)
+    schedule = {"a": 100, "b": 7}
+    with torch.inference_mode():
+        for _ in range(17):
+            output = engine.step(schedule)
+            for i, request_id in enumerate(output.request_ids):
+                tokens = engine.requests[request_id].token_ids[:-1]
+                logits = hf_model(torch.tensor([tokens], device=device)).logits[0, -1]
+                expected = torch.log_softmax(logits.float(), dim=-1).cpu()
+                ids = [token_id for token_id, _ in output.top_logprobs[i]]
+                actual = torch.tensor([logprob for _, logprob in output.top_logprobs[i]])
+                torch.testing.assert_close(actual, expected[ids], atol=0.06, rtol=0)
+                chosen = output.sampled_token_ids[i]
+                assert expected.max() - expected[chosen] < 0.06  # greedy within bf16 noise
+            schedule = {"a": 1, "b": 1}
