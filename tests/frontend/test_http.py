@@ -231,7 +231,7 @@ async def test_logprobs_shapes(serve) -> None:
 async def test_template_failure_on_content_is_400(serve) -> None:
     served = await serve()
     r = await served.http.post(CHAT, json={"messages": [{"role": "user", "content": None}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
 
 
 async def test_logit_bias_and_json_object_reach_the_engine(serve) -> None:
@@ -245,3 +245,16 @@ async def test_logit_bias_and_json_object_reach_the_engine(serve) -> None:
         CHAT, json={**_user(), "response_format": {"type": "json_object"}}
     )
     assert response.status_code == 200, response.text
+
+
+async def test_messages_without_content_are_a_clear_400(serve) -> None:
+    served = await serve()
+    for messages in (
+        [{"role": "user"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant"}],
+    ):
+        response = await served.http.post(CHAT, json={"messages": messages})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert "has no content" in error["message"] and "TypeError" not in error["message"]
+        assert error["param"].startswith("messages[")

@@ -21,17 +21,17 @@ from vtllm.frontend.sampling import (
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        (b'{"messages": [], "temperature": "hot"}', "temperature"),
-        (b'{"messages": [], "temperature": 3}', "temperature"),
-        (b'{"messages": [], "max_tokens": 1.5}', "max_tokens"),
-        (b'{"messages": [], "n": 0}', "n"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', "temperature"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 3}', "temperature"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}', "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "n": 0}', "n"),
         (b'{"messages": [{"role": "robot", "content": "x"}]}', "messages[0].role"),
         (
             b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
             "messages[0].content[0].type",
         ),
         (
-            b'{"messages": [], "stream_options": {"include_usage": "yes"}}',
+            b'{"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": "yes"}}',
             "stream_options.include_usage",
         ),
         (b'{"messages": "hi"}', "messages"),

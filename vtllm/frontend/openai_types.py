@@ -204,7 +204,7 @@ class _SamplingFields(msgspec.Struct):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = []
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] = []
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None

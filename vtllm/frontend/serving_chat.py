@@ -72,6 +72,14 @@ class ToolPlan:
 def _check_supported(request: ChatCompletionRequest) -> None:
     if not request.messages:
         raise bad_request("messages must contain at least one message", "messages")
+    for i, message in enumerate(request.messages):
+        # as OpenAI: only an assistant message that carries tool_calls may omit content
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise bad_request(
+                f"messages[{i}] (role {message.role!r}) has no content; give it a string "
+                "or a list of text parts",
+                f"messages[{i}].content",
+            )
     fmt = (request.response_format or {}).get("type", "text")
     # json_object is accepted as OpenAI clients send it, but output is not constrained yet
     # (docs/USAGE.md says so); json_schema would promise a shape we cannot guarantee.
