@@ -81,7 +81,7 @@ async def test_too_long_is_400_with_numbers(serve) -> None:
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["message"] == (
-        "prompt has 40 tokens and max_tokens is 30, but max_model_len is 64; shorten the "
+        "prompt has 40 tokens and max_tokens is 30, together 70, but max_model_len is 64; shorten the "
         "prompt, lower max_tokens, or raise --max-model-len"
     )
     assert set(error) == {"message", "type", "param", "code"}

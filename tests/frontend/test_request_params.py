@@ -105,7 +105,7 @@ def test_admission_guard_names_the_numbers() -> None:
         check_prompt_fits(9000, 500, 8192)
     assert info.value.status_code == 400
     assert info.value.message == (
-        "prompt has 9000 tokens and max_tokens is 500, but max_model_len is 8192; shorten the "
+        "prompt has 9000 tokens and max_tokens is 500, together 9500, but max_model_len is 8192; shorten the "
         "prompt, lower max_tokens, or raise --max-model-len"
     )
     with pytest.raises(OpenAIError, match="prompt has 8192 tokens, but max_model_len is 8192"):

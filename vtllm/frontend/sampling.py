@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vtllm.frontend.openai_types import OpenAIError, _SamplingFields, bad_request
+from vtllm.protocol.limits import prompt_too_long_message
 from vtllm.protocol.messages import SamplingParams
 
 
@@ -30,23 +31,9 @@ def check_prompt_fits(
     prompt + an explicit ``max_tokens`` exceeds ``max_model_len``."""
     if num_prompt_tokens == 0:
         raise bad_request("prompt is empty (0 tokens); send at least one token", prompt_field)
-    if num_prompt_tokens >= max_model_len or (
-        max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len
-    ):
-        if max_tokens is None:
-            message = (
-                f"prompt has {num_prompt_tokens} tokens, but max_model_len is {max_model_len} "
-                "and at least one output token must fit; shorten the prompt or raise "
-                "--max-model-len"
-            )
-            param = prompt_field
-        else:
-            message = (
-                f"prompt has {num_prompt_tokens} tokens and {field} is {max_tokens}, but "
-                f"max_model_len is {max_model_len}; shorten the prompt, lower {field}, or "
-                "raise --max-model-len"
-            )
-            param = field
+    message = prompt_too_long_message(num_prompt_tokens, max_tokens, max_model_len, field)
+    if message is not None:
+        param = prompt_field if num_prompt_tokens >= max_model_len else field
         raise OpenAIError(400, message, "invalid_request_error", param, "context_length_exceeded")
 
 
