@@ -132,29 +132,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _validated_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> VtllmConfig:
+    """The config the flags describe; a value no engine can run with is a usage error."""
+    config = config_from_args(args)
+    try:
+        config.validate()
+    except ValueError as e:
+        parser.error(str(e))
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "log_format", None):
         envs.export("VT_LOG_FORMAT", args.log_format)  # inherited by every child process
     if args.command == "serve":
-        config = config_from_args(args)
-        try:
-            config.validate()
-        except ValueError as e:
-            parser.error(str(e))
         from vtllm.launch import serve
 
-        return serve(config)
+        return serve(_validated_config(parser, args))
     if args.command == "engine-core":
-        config = config_from_args(args)
-        try:
-            config.validate()
-        except ValueError as e:
-            parser.error(str(e))
         from vtllm.launch import engine_core
 
-        return engine_core(config)
+        return engine_core(_validated_config(parser, args))
     if args.command == "keygen":
         from pathlib import Path
 
@@ -167,11 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out} (mode 0600): pass it to the engine core and to every client")
         return 0
     if args.command == "bench":
-        config = config_from_args(args)
-        config.validate()
         from vtllm.bench import run_bench
 
-        return run_bench(args.bench_kind, args, config)
+        return run_bench(args.bench_kind, args, _validated_config(parser, args))
     parser.error(f"unknown command {args.command}")
     return 2
 

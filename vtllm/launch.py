@@ -36,13 +36,18 @@ def resolve_model(config: VtllmConfig) -> str:
     return str(resolve_model_dir(config.model.model, envs.VT_CACHE_DIR, progress=logger.info))
 
 
+def worker_addresses(runtime_dir) -> tuple[str, str]:
+    """(the engine core's worker socket, the torch.distributed rendezvous) for one engine."""
+    worker_address = transport.ipc_address(runtime_dir, "workers.sock")
+    return worker_address, f"tcp://127.0.0.1:{transport.free_tcp_port()}"
+
+
 def start_engine_core(
     config: VtllmConfig, model_dir: str, runtime_dir
 ) -> tuple[multiprocessing.process.BaseProcess, str]:
     """Spawn the engine-core process; returns it and the address clients connect to."""
     client_address = transport.ipc_address(runtime_dir, "engine.sock")
-    worker_address = transport.ipc_address(runtime_dir, "workers.sock")
-    dist_init_address = f"tcp://127.0.0.1:{transport.free_tcp_port()}"
+    worker_address, dist_init_address = worker_addresses(runtime_dir)
     ctx = multiprocessing.get_context("spawn")
     process = ctx.Process(
         target=run_engine_core,
@@ -105,8 +110,7 @@ def engine_core(config: VtllmConfig) -> int:
     model_dir = resolve_model(config)
     runtime_dir = transport.make_runtime_dir()
     address = config.engine.engine_address or transport.ipc_address(runtime_dir, "engine.sock")
-    worker_address = transport.ipc_address(runtime_dir, "workers.sock")
-    dist_init_address = f"tcp://127.0.0.1:{transport.free_tcp_port()}"
+    worker_address, dist_init_address = worker_addresses(runtime_dir)
     try:
         run_engine_core(
             config.to_bytes(), model_dir, address, worker_address, dist_init_address, headless=True

@@ -322,10 +322,7 @@ def run_engine_core(
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         executor, facts = start_engine(config, model_dir, worker_address, dist_init_address)
-    except KVCacheTooSmallError as e:
-        logger.error("refusing to start: %s", e)
-        sys.exit(EXIT_START_FAILED)
-    except WorkerDiedError as e:
+    except (KVCacheTooSmallError, WorkerDiedError) as e:
         logger.error("refusing to start: %s", e)
         sys.exit(EXIT_START_FAILED)
 
