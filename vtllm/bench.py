@@ -240,6 +240,7 @@ def run_bench(kind: str, args: argparse.Namespace, config: VtllmConfig) -> int:
                 kind=one_kind,
                 model=args.model_shape or model_dir,
                 dtype=dtype,
+                decode_graphs=not config.model.enforce_eager,
                 weight_gib=round(weight_bytes / 1024**3, 3),
                 copy_bandwidth_gb_s=round(bandwidth / 1e9, 1) if bandwidth else None,
             )

@@ -98,6 +98,12 @@ class ModelConfig:
         choices=("auto", "dummy"),
     )
 
+    enforce_eager: bool = _opt(
+        False,
+        "Run every step eagerly: no CUDA/HIP graphs for decode batches (less start-up "
+        "time and memory, slower small-batch decode).",
+    )
+
     def default_served_name(self, model_dir: str) -> str:
         """The name clients use: --served-model-name, else the model's own name (a
         converted GGUF's cache directory, ``Name.Q4_1-<hash>``, serves as ``Name``)."""

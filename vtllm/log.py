@@ -53,3 +53,34 @@ def configure_logging(process_name: str | None = None) -> None:
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+
+
+class ProgressLog:
+    """A progress bar drawn as log lines (journald and pipes get whole lines, no ``\\r``):
+    one line when each tenth of the work is done, and one at the end::
+
+        capturing decode graphs [#####-----] 18/35 (batch 120) 1.2s
+    """
+
+    def __init__(self, logger: logging.Logger, label: str, total: int, width: int = 10) -> None:
+        self.logger = logger
+        self.label = label
+        self.total = max(1, total)
+        self.width = width
+        self.done = 0
+        self._last_tenth = -1
+        self._started = time.monotonic()
+
+    def advance(self, detail: str = "") -> None:
+        self.done += 1
+        tenth = self.done * 10 // self.total
+        if tenth == self._last_tenth and self.done < self.total:
+            return
+        self._last_tenth = tenth
+        filled = self.done * self.width // self.total
+        bar = "#" * filled + "-" * (self.width - filled)
+        suffix = f" ({detail})" if detail else ""
+        elapsed = time.monotonic() - self._started
+        self.logger.info(
+            "%s [%s] %d/%d%s %.1fs", self.label, bar, self.done, self.total, suffix, elapsed
+        )

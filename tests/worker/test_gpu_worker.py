@@ -110,3 +110,59 @@ def test_realistic_shape_bf16_matches_transformers(shape, tmp_path):
                 chosen = output.sampled_token_ids[i]
                 assert expected.max() - expected[chosen] < 0.06  # greedy within bf16 noise
             schedule = {"a": 1, "b": 1}
+
+
+def test_decode_graphs_match_eager_steps_on_gpu(tmp_path):
+    """Real graphs (captured at 1, 2, 4, 6) against eager steps, fp32: same tokens (greedy
+    and seeded sampling), same logprobs; prefill, mixed and too-long steps stay eager."""
+    from .test_decode_graphs import assert_same_outputs, run_scenario
+
+    make_hf_model("qwen3", tmp_path)
+    platform = detect_platform(0)
+    _, eager = run_scenario(tmp_path, padded=False, platform=platform)
+    runner, graphed = run_scenario(tmp_path, padded=True, platform=platform)
+    graphs = runner.decode_graphs
+    assert graphs is not None and graphs.use_graphs and sorted(graphs._graphs) == [1, 2, 4, 6]
+    assert_same_outputs(eager, graphed, atol=1e-4)
+
+
+@pytest.mark.parametrize("max_model_len", [512, 8192])
+def test_decode_graphs_bf16_realistic_shape(max_model_len, tmp_path):
+    """Qwen3-0.6B dimensions (4 layers, random bf16 weights): graphs vs eager over 24
+    greedy decode steps at batch sizes 8 (a capture size), 5 (padded to 8) and 1. With
+    max_model_len 8192 the graphs split the keys (flash-decoding) where eager does not."""
+    import json
+
+    from vtllm.bench import MODEL_SHAPES
+
+    config = dict(MODEL_SHAPES["qwen3-0.6b"], num_hidden_layers=4)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    platform = detect_platform(0)
+
+    def run(graphs: bool) -> list[list[int]]:
+        runner = ModelRunner.from_model_dir(
+            tmp_path, platform.device, torch.bfloat16, seed=0, load_format="dummy"
+        )
+        runner.init_kv_cache(num_blocks=1024, block_size=16)
+        if graphs:
+            runner.capture_decode_graphs(platform, 8, max_model_len)
+        engine = EngineSim(runner.execute, num_blocks=1024, block_size=16)
+        params = SamplingParams(temperature=0.0, logprobs=5)
+        for i in range(8):
+            engine.add(
+                f"r{i}", [(97 * i + 13 * j) % 150000 + 10 for j in range(20 + 30 * i)], params
+            )
+        engine.step({rid: len(r.token_ids) for rid, r in engine.requests.items()})
+        tokens = []
+        for step in range(24):
+            if step == 8:
+                for rid in ("r1", "r4", "r6"):
+                    engine.finish(rid)
+            if step == 16:
+                for rid in ("r0", "r2", "r3", "r5"):
+                    engine.finish(rid)
+            output = engine.step({rid: 1 for rid in engine.requests})
+            tokens.append(output.sampled_token_ids)
+        return tokens
+
+    assert run(graphs=True) == run(graphs=False)

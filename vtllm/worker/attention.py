@@ -70,7 +70,8 @@ class KernelInputs:
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [num_reqs] int32
     block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int32
-    max_seq_len: int  # host-side hint for the split-KV heuristic
+    max_seq_len: int | None  # host-side hint for the split-KV heuristic
+    num_kv_splits: int | None = None  # forced split count (graphs fix it at capture)
 
 
 @dataclass
@@ -215,6 +216,10 @@ def write_kv_cache(
         reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
         return
     num_kv_heads, head_dim = k_cache.shape[-2:]
+    slot_mapping = slot_mapping.long()
+    if len(slot_mapping) and int(slot_mapping.min()) < 0:  # padding rows (-1) are not written
+        real = slot_mapping >= 0
+        k, v, slot_mapping = k[real], v[real], slot_mapping[real]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -283,12 +288,14 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The attention every model calls: the Triton kernel when the metadata was built for
-    it (GPU), else the torch reference."""
+    it (on a CPU tensor: the kernel's own torch reference, same contract), else the
+    padded-batch torch reference."""
     if metadata.backend == "triton":
-        from vtllm.worker.kernels.paged_attention import paged_attention as kernel
+        from vtllm.worker.kernels import paged_attention as kernels
 
         inputs = metadata.kernel_inputs
         assert inputs is not None
+        kernel = kernels.paged_attention if q.is_cuda else kernels.paged_attention_ref
         return kernel(
             q,
             k_cache,
@@ -299,5 +306,6 @@ def paged_attention(
             scale,
             sliding_window,
             max_seq_len=inputs.max_seq_len,
+            num_kv_splits=inputs.num_kv_splits,
         )
     return paged_attention_ref(q, k_cache, v_cache, metadata, scale, sliding_window)

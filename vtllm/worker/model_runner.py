@@ -20,6 +20,7 @@ from torch import nn
 from vtllm import envs
 from vtllm.protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from vtllm.worker.attention import build_attention_metadata
+from vtllm.worker.decode_graphs import DecodeGraphs, capture_sizes
 from vtllm.worker.distributed import TPGroup
 from vtllm.worker.input_batch import RequestStates, StepBatch
 from vtllm.worker.loader.hf_config import eos_token_ids as read_eos_token_ids
@@ -27,6 +28,7 @@ from vtllm.worker.loader.hf_config import load_hf_config
 from vtllm.worker.loader.safetensors_loader import load_safetensors
 from vtllm.worker.models import build_model
 from vtllm.worker.models.llama import KVCache
+from vtllm.worker.platform import Platform
 from vtllm.worker.sampler import Sampler, SamplingBatch, TokenHistory, advance_generator
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
         self.attention_backend = attention_backend(device)
+        self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
     @classmethod
     def from_model_dir(
@@ -100,6 +103,45 @@ class ModelRunner:
             for _ in self.model.model.layers
         ]
         self.block_size = block_size
+        self.decode_graphs = None  # they point into the old cache
+
+    def capture_decode_graphs(
+        self,
+        platform: Platform,
+        max_num_seqs: int,
+        max_model_len: int,
+        use_graphs: bool = True,
+        sizes: Sequence[int] | None = None,
+    ) -> DecodeGraphs:
+        """Route decode-only steps of up to ``max_num_seqs`` requests and ``max_model_len``
+        tokens through persistent padded inputs, replayed as device graphs (captured
+        here, with a progress log) or, with ``use_graphs=False``, run eagerly. ``sizes``:
+        the padded batch sizes (default ``capture_sizes(max_num_seqs)``)."""
+        if not self.kv_caches:
+            raise RuntimeError("capture_decode_graphs() needs a KV cache")
+        num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        blocks_per_seq = -(-max_model_len // self.block_size)
+        longest = blocks_per_seq * self.block_size
+
+        def split_rule(size: int) -> int:
+            from vtllm.worker.kernels.paged_attention import choose_num_kv_splits
+
+            return choose_num_kv_splits(size, size, num_kv_heads, longest)
+
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            platform,
+            sizes or capture_sizes(max_num_seqs),
+            blocks_per_seq,
+            self.block_size,
+            split_rule,
+            use_graphs,
+        )
+        with torch.inference_mode():
+            graphs.capture()
+        self.decode_graphs = graphs
+        return graphs
 
     # -- steps ----------------------------------------------------------------------
 
@@ -124,6 +166,12 @@ class ModelRunner:
         return _make_output(step.step_id, batch, sampled, errors)
 
     def _forward_logits(self, batch: StepBatch) -> torch.Tensor:
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            hidden = self.decode_graphs.run(batch)  # [num_reqs, hidden]
+            if len(batch.sample_rows) == len(batch.request_ids):
+                return self.model.compute_logits(hidden)
+            rows = torch.from_numpy(batch.logits_indices).to(self.device)
+            return self.model.compute_logits(hidden.index_select(0, rows))
         metadata = build_attention_metadata(
             batch.query_lens,
             batch.seq_lens,

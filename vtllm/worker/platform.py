@@ -7,9 +7,12 @@ queried. Everything else in vtllm asks this module and never calls ``torch.cuda.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -87,6 +90,30 @@ class Platform:
         if self.is_gpu:
             return int(torch.cuda.memory_allocated(self.device))
         return 0
+
+    @property
+    def supports_graphs(self) -> bool:
+        """CUDA graphs on NVIDIA, HIP graphs on ROCm (same torch API); none on CPU."""
+        return self.is_gpu
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether host staging buffers should be page-locked (fast async copies)."""
+        return self.is_gpu
+
+    def new_graph_pool(self) -> Any:
+        """A memory pool that several graphs captured one after another can share."""
+        return torch.cuda.graph_pool_handle()
+
+    @contextlib.contextmanager
+    def capture_graph(self, pool: Any) -> Iterator[Any]:
+        """Capture the device work issued inside the block into a graph (yielded; call
+        ``replay()`` on it), allocating its intermediates from ``pool``."""
+        if not self.supports_graphs:
+            raise RuntimeError(f"{self.kind.value} has no device graphs")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            yield graph
 
     def new_generator(self, seed: int) -> torch.Generator:
         """A random generator on this device, seeded once."""

@@ -110,6 +110,19 @@ def _serve(
         return
     runner.init_kv_cache(init.num_blocks, init.block_size)
     runner.dummy_run(min(init.block_size, init.num_blocks * init.block_size))
+    if _use_graphs(config, platform, runner):
+        max_len = _graph_max_len(config, facts.max_position_embeddings, init)
+        free_before, _ = platform.memory_info()
+        graphs = runner.capture_decode_graphs(platform, config.scheduler.max_num_seqs, max_len)
+        free_after, _ = platform.memory_info()
+        logger.info(
+            "captured %d decode graphs (batch %d..%d, up to %d tokens) using %.2f GiB",
+            len(graphs.sizes),
+            graphs.sizes[0],
+            graphs.sizes[-1],
+            max_len,
+            (free_before - free_after) / 2**30,
+        )
     socket.send(codec.encode(m.WorkerReady(rank=rank)))
     logger.info("ready: %d KV blocks of %d tokens", init.num_blocks, init.block_size)
 
@@ -126,11 +139,29 @@ def _serve(
             socket.send(codec.encode(output))
 
 
+def _use_graphs(config: VtllmConfig, platform: Platform, runner: ModelRunner) -> bool:
+    """Decode graphs unless ``--enforce-eager``, on a GPU, over the Triton attention."""
+    if config.model.enforce_eager or not platform.supports_graphs:
+        return False
+    if runner.attention_backend != "triton":
+        logger.info("no decode graphs: VT_ATTENTION_BACKEND=%s", runner.attention_backend)
+        return False
+    return True
+
+
+def _graph_max_len(config: VtllmConfig, max_position: int, init: m.InitKVCache) -> int:
+    """Longest sequence a decode graph must serve: the model length cap, no more than
+    the KV cache holds (the engine core's fitted ``max_model_len`` is never above it)."""
+    max_len = config.model.max_model_len or max_position
+    return max(1, min(max_len, init.num_blocks * init.block_size))
+
+
 def _usable_kv_bytes(
     config: VtllmConfig, platform: Platform, runner: ModelRunner, max_position: int
 ) -> int:
     """CPU: ``--kv-cache-memory``. GPU: utilisation × total − weights − peak activation
-    of a max-size dummy step (run over a temporary KV cache just big enough for it)."""
+    of a max-size dummy step (run over a temporary KV cache just big enough for it) −
+    the memory of the largest decode graph (captured once here to measure it)."""
     if not platform.is_gpu:
         return config.cache.kv_cache_memory
     block_size = config.cache.block_size
@@ -144,15 +175,26 @@ def _usable_kv_bytes(
     runner.dummy_run(num_tokens, config.scheduler.max_num_seqs)
     platform.synchronize()
     peak_activation = platform.peak_memory_allocated() - weights
+    graph_bytes = 0
+    if _use_graphs(config, platform, runner):
+        free_before, _ = platform.memory_info()
+        largest = config.scheduler.max_num_seqs
+        runner.capture_decode_graphs(platform, largest, max(1, max_len), sizes=[largest])
+        graph_bytes = max(0, free_before - platform.memory_info()[0])
+        runner.decode_graphs = None
     runner.kv_caches = []
     platform.empty_cache()
     _, total = platform.memory_info()
-    usable = int(config.cache.gpu_memory_utilization * total) - weights - peak_activation
+    usable = (
+        int(config.cache.gpu_memory_utilization * total) - weights - peak_activation - graph_bytes
+    )
     logger.info(
-        "memory: total %.2f GiB, weights %.2f GiB, peak activation %.2f GiB → KV %.2f GiB",
+        "memory: total %.2f GiB, weights %.2f GiB, peak activation %.2f GiB, decode graphs "
+        "%.2f GiB → KV %.2f GiB",
         total / 2**30,
         weights / 2**30,
         peak_activation / 2**30,
+        graph_bytes / 2**30,
         usable / 2**30,
     )
     return max(0, usable)

@@ -1,0 +1,233 @@
+"""CUDA/HIP graphs for decode-only steps (every request computes one token).
+
+A decode step of a small model is hundreds of tiny kernel launches, and Python issuing
+them costs more than the GPU running them. A graph records the launches of one forward
+once and replays them with one call. A graph fixes every shape and every pointer, so:
+
+* a batch of ``n`` decodes is padded up to the next capture size (``capture_sizes``:
+  1, 2, 4, 8, then steps of 8 up to 256 and of 16 beyond, ending at ``max_num_seqs``);
+* inputs live in persistent buffers: each step writes its arrays into a (pinned) host
+  staging buffer, one host→device copy moves them, and the graph of the padded size runs;
+* padding rows decode token 0 at position 0 with slot ``-1`` (``reshape_and_cache``
+  skips it) over one key of the cache: finite values whose output is dropped;
+* the attention kernel's split-KV count is fixed per graph (chosen for the longest
+  sequence the buffers admit), since a replay cannot look at sequence lengths.
+
+Prefill and mixed steps, and decode batches that do not fit (more requests than the
+largest graph, a block table wider than the buffer), run eagerly.
+
+Packed int32 buffer (``B`` = largest capture size, ``W`` = blocks per sequence), the same
+layout on the host and on the device::
+
+    input_ids [B] | positions [B] | slot_mapping [B] | query_start_loc [B + 1]
+    | seq_lens [B] | block_tables [B, W]
+
+Without graphs (``use_graphs=False``, e.g. on CPU) the same padded static-buffer path runs
+the forward directly; tests use it to check the padding against unpadded eager steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from vtllm.log import ProgressLog
+from vtllm.worker.attention import AttentionMetadata, KernelInputs
+from vtllm.worker.input_batch import StepBatch
+from vtllm.worker.platform import Platform
+
+logger = logging.getLogger(__name__)
+
+# (input_ids, positions, kv_caches, metadata) -> hidden [num_tokens, hidden]
+Forward = Callable[[torch.Tensor, torch.Tensor, list, AttentionMetadata], torch.Tensor]
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Padded batch sizes that get a graph: 1, 2, 4, 8, 16, 24, ..., 256, 272, ...,
+    always ending at ``max_num_seqs`` so that every decode batch has one."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = [size for size in (1, 2, 4, 8) if size < max_num_seqs]
+    size = 16
+    while size < max_num_seqs:
+        sizes.append(size)
+        size += 8 if size < 256 else 16
+    sizes.append(max_num_seqs)
+    return sizes
+
+
+def padded_size(sizes: Sequence[int], num_reqs: int) -> int | None:
+    """The smallest capture size that holds ``num_reqs`` (sorted ``sizes``), or None."""
+    index = bisect.bisect_left(sizes, num_reqs)
+    return sizes[index] if index < len(sizes) else None
+
+
+class DecodeInputs:
+    """Persistent input buffers of the decode graphs (packed int32, see the module doc)."""
+
+    def __init__(
+        self, max_batch: int, blocks_per_seq: int, block_size: int, platform: Platform
+    ) -> None:
+        self.max_batch = max_batch
+        self.blocks_per_seq = blocks_per_seq
+        self.block_size = block_size
+        b, w = max_batch, blocks_per_seq
+        sizes = {
+            "input_ids": b,
+            "positions": b,
+            "slot_mapping": b,
+            "query_start_loc": b + 1,
+            "seq_lens": b,
+            "block_tables": b * w,
+        }
+        self._offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in sizes.items():
+            self._offsets[name] = (start, start + size)
+            start += size
+        self._tables_start = self._offsets["block_tables"][0]
+        self.host = torch.zeros(start, dtype=torch.int32, pin_memory=platform.pin_memory)
+        self.device_buffer = torch.zeros(start, dtype=torch.int32, device=platform.device)
+        self._host_np = self.host.numpy()
+        # padding rows of every size: one query token each, one key in the null block
+        host = self.host_view
+        host("query_start_loc")[:] = np.arange(b + 1)
+        host("seq_lens")[:] = 1
+        host("slot_mapping")[:] = -1
+        self.device_buffer.copy_(self.host)
+
+    def host_view(self, name: str) -> np.ndarray:
+        start, end = self._offsets[name]
+        view = self._host_np[start:end]
+        return view.reshape(self.max_batch, self.blocks_per_seq) if name == "block_tables" else view
+
+    def device_view(self, name: str) -> torch.Tensor:
+        start, end = self._offsets[name]
+        view = self.device_buffer[start:end]
+        if name == "block_tables":
+            return view.view(self.max_batch, self.blocks_per_seq)
+        return view
+
+    def fits(self, batch: StepBatch) -> bool:
+        """A decode-only batch no larger than the buffers, every table within ``W``."""
+        return (
+            0 < len(batch.query_lens) <= self.max_batch
+            and batch.num_tokens == len(batch.query_lens)
+            and max(len(table) for table in batch.block_tables) <= self.blocks_per_seq
+        )
+
+    def stage(self, batch: StepBatch) -> None:
+        """Write a fitting decode batch into rows ``0 .. n - 1``, reset row ``n ..`` to
+        padding, and copy the used part to the device (asynchronously from pinned
+        memory; the step's sampling syncs before the host buffer is written again)."""
+        n = len(batch.query_lens)
+        host = self.host_view
+        host("input_ids")[:n] = batch.input_ids
+        host("input_ids")[n:] = 0
+        positions = batch.positions
+        host("positions")[:n] = positions
+        host("positions")[n:] = 0
+        host("seq_lens")[:n] = batch.seq_lens
+        host("seq_lens")[n:] = 1
+        tables = host("block_tables")
+        for row, table in enumerate(batch.block_tables):
+            tables[row, : len(table)] = table
+        rows = np.arange(n)
+        slots = tables[rows, positions // self.block_size].astype(np.int64) * self.block_size
+        host("slot_mapping")[:n] = slots + positions % self.block_size
+        host("slot_mapping")[n:] = -1
+        # table rows >= n are not copied: a padding row reads one key of whatever block
+        # its stale row names (finite values; its output is dropped)
+        end = self._tables_start + n * self.blocks_per_seq
+        self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
+
+    def metadata(self, size: int, num_kv_splits: int) -> AttentionMetadata:
+        """Attention metadata over the first ``size`` rows (views of the device buffer)."""
+        kernel_inputs = KernelInputs(
+            query_start_loc=self.device_view("query_start_loc")[: size + 1],
+            seq_lens=self.device_view("seq_lens")[:size],
+            block_tables=self.device_view("block_tables")[:size],
+            max_seq_len=None,
+            num_kv_splits=num_kv_splits,
+        )
+        return AttentionMetadata(
+            slot_mapping=self.device_view("slot_mapping")[:size],
+            groups=[],
+            backend="triton",
+            kernel_inputs=kernel_inputs,
+        )
+
+
+class DecodeGraphs:
+    """One graph per capture size over shared persistent inputs; ``run`` replays."""
+
+    def __init__(
+        self,
+        forward: Forward,
+        kv_caches: list,
+        platform: Platform,
+        sizes: Sequence[int],
+        blocks_per_seq: int,
+        block_size: int,
+        split_rule: Callable[[int], int],
+        use_graphs: bool,
+    ) -> None:
+        """``split_rule(padded_size)`` gives the attention split count for a size;
+        ``use_graphs=False`` runs the padded path eagerly (CPU, tests)."""
+        if use_graphs and not platform.supports_graphs:
+            raise RuntimeError(f"{platform.kind.value} has no device graphs")
+        self.forward = forward
+        self.kv_caches = kv_caches
+        self.platform = platform
+        self.sizes = sorted(sizes)
+        self.inputs = DecodeInputs(self.sizes[-1], blocks_per_seq, block_size, platform)
+        self.split_rule = split_rule
+        self.use_graphs = use_graphs
+        self._graphs: dict[int, object] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._pool = platform.new_graph_pool() if use_graphs else None
+
+    def capture(self) -> float:
+        """Capture every size, largest first (later ones reuse its pool memory), with a
+        progress log. Returns seconds taken. A no-op without graphs."""
+        if not self.use_graphs:
+            return 0.0
+        started = time.monotonic()
+        progress = ProgressLog(logger, "capturing decode graphs", len(self.sizes))
+        for size in reversed(self.sizes):
+            metadata = self.inputs.metadata(size, self.split_rule(size))
+            ids = self.inputs.device_view("input_ids")[:size]
+            positions = self.inputs.device_view("positions")[:size]
+            # warm-up outside the graph: Triton compiles and autotunes here, not in capture
+            self.forward(ids, positions, self.kv_caches, metadata)
+            self.platform.synchronize()
+            with self.platform.capture_graph(self._pool) as graph:
+                hidden = self.forward(ids, positions, self.kv_caches, metadata)
+            self._graphs[size] = graph
+            self._outputs[size] = hidden
+            progress.advance(f"batch {size}")
+        self.platform.synchronize()
+        return time.monotonic() - started
+
+    def can_run(self, batch: StepBatch) -> bool:
+        return self.inputs.fits(batch)
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Hidden states ``[n, hidden]`` of a batch ``can_run`` accepted (a view into the
+        graph's output: use it before the next ``run``)."""
+        n = len(batch.query_lens)
+        size = padded_size(self.sizes, n)
+        assert size is not None, n
+        self.inputs.stage(batch)
+        if not self.use_graphs:
+            metadata = self.inputs.metadata(size, self.split_rule(size))
+            ids = self.inputs.device_view("input_ids")[:size]
+            positions = self.inputs.device_view("positions")[:size]
+            return self.forward(ids, positions, self.kv_caches, metadata)[:n]
+        self._graphs[size].replay()
+        return self._outputs[size][:n]
