@@ -5,8 +5,10 @@
 # Phases, run in the order given:
 #   graph-tests   the decode-graph GPU tests (fast)
 #   gpu-tests     every `pytest -m gpu` test
-#   bench-SHAPE   `vtllm bench all` (decode graphs), `vtllm bench latency --enforce-eager`
-#                 and the transformers baseline, for SHAPE qwen3-0.6b or llama3-8b
+#   bench-SHAPE   `vtllm bench all` (decode graphs) and `vtllm bench latency --enforce-eager`
+#                 for SHAPE qwen3-0.6b or llama3-8b
+#   hf-SHAPE      the transformers `generate` baseline on the same shape and prompts
+#   profile       benchmarks/profile_decode.py: one worker's decode step, batch 1 and 64
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -25,16 +27,22 @@ for phase in "$@"; do
       timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -k graphs \
         tests/worker/test_gpu_worker.py >> "$OUT/gpu_tests.txt" 2>&1 ;;
     gpu-tests)
-      timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 tests \
+      timeout 300 python3 -m pytest -m gpu -q -rP -p no:cacheprovider --durations=15 tests \
         >> "$OUT/gpu_tests.txt" 2>&1 ;;
     bench-*)
       shape=${phase#bench-}
       timeout 150 python3 -m vtllm.cli bench all --model-shape "$shape" $BENCH \
         >> "$OUT/bench.jsonl" 2>> "$OUT/bench_$shape.log"
       timeout 60 python3 -m vtllm.cli bench latency --model-shape "$shape" $BENCH \
-        --enforce-eager --no-roofline >> "$OUT/bench.jsonl" 2>> "$OUT/bench_${shape}_eager.log"
-      timeout 200 python3 benchmarks/hf_baseline.py --model-shape "$shape" all --num-prompts 32 \
+        --enforce-eager --no-roofline >> "$OUT/bench.jsonl" 2>> "$OUT/bench_${shape}_eager.log" ;;
+    hf-*)
+      shape=${phase#hf-}
+      timeout 240 python3 benchmarks/hf_baseline.py --model-shape "$shape" all --num-prompts 256 \
         >> "$OUT/bench.jsonl" 2>> "$OUT/hf_$shape.log" ;;
+    profile)
+      for args in "--batch 1" "--batch 1 --eager" "--batch 64"; do
+        timeout 60 python3 benchmarks/profile_decode.py $args >> "$OUT/profile.txt" 2>&1
+      done ;;
     *) echo "unknown phase $phase" ;;
   esac
   tail -3 "$OUT/gpu_tests.txt" 2>/dev/null

@@ -112,15 +112,17 @@ def test_realistic_shape_bf16_matches_transformers(shape, tmp_path):
             schedule = {"a": 1, "b": 1}
 
 
-def test_decode_graphs_match_eager_steps_on_gpu(tmp_path):
+@pytest.mark.parametrize("max_model_len", [64, 8192])
+def test_decode_graphs_match_eager_steps_on_gpu(max_model_len, tmp_path):
     """Real graphs (captured at 1, 2, 4, 6) against eager steps, fp32: same tokens (greedy
-    and seeded sampling), same logprobs; prefill, mixed and too-long steps stay eager."""
+    and seeded sampling), same logprobs; prefill, mixed and too-long steps stay eager.
+    With max_model_len 8192 the graphs split the keys (flash-decoding), eager does not."""
     from .test_decode_graphs import assert_same_outputs, run_scenario
 
     make_hf_model("qwen3", tmp_path)
     platform = detect_platform(0)
-    _, eager = run_scenario(tmp_path, padded=False, platform=platform)
-    runner, graphed = run_scenario(tmp_path, padded=True, platform=platform)
+    _, eager = run_scenario(tmp_path, False, max_model_len, platform)
+    runner, graphed = run_scenario(tmp_path, True, max_model_len, platform)
     graphs = runner.decode_graphs
     assert graphs is not None and graphs.use_graphs and sorted(graphs._graphs) == [1, 2, 4, 6]
     assert_same_outputs(eager, graphed, atol=1e-4)
@@ -129,8 +131,11 @@ def test_decode_graphs_match_eager_steps_on_gpu(tmp_path):
 @pytest.mark.parametrize("max_model_len", [512, 8192])
 def test_decode_graphs_bf16_realistic_shape(max_model_len, tmp_path):
     """Qwen3-0.6B dimensions (4 layers, random bf16 weights): graphs vs eager over 24
-    greedy decode steps at batch sizes 8 (a capture size), 5 (padded to 8) and 1. With
-    max_model_len 8192 the graphs split the keys (flash-decoding) where eager does not."""
+    decode steps at batch sizes 8 (a capture size), 5 (padded to 8) and 1, the graph run
+    fed the eager run's tokens. Random weights make near-ties common, so bf16 rounding
+    differences (padding changes the GEMM shapes; with 8192 the graphs also split the
+    keys) may flip a greedy pick: the test holds the top-5 logprobs to 0.03 and the
+    picks to >= 90 % agreement."""
     import json
 
     from vtllm.bench import MODEL_SHAPES
@@ -139,7 +144,7 @@ def test_decode_graphs_bf16_realistic_shape(max_model_len, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     platform = detect_platform(0)
 
-    def run(graphs: bool) -> list[list[int]]:
+    def run(graphs: bool, forced: list | None) -> list:
         runner = ModelRunner.from_model_dir(
             tmp_path, platform.device, torch.bfloat16, seed=0, load_format="dummy"
         )
@@ -149,11 +154,10 @@ def test_decode_graphs_bf16_realistic_shape(max_model_len, tmp_path):
         engine = EngineSim(runner.execute, num_blocks=1024, block_size=16)
         params = SamplingParams(temperature=0.0, logprobs=5)
         for i in range(8):
-            engine.add(
-                f"r{i}", [(97 * i + 13 * j) % 150000 + 10 for j in range(20 + 30 * i)], params
-            )
+            prompt = [(97 * i + 13 * j) % 150000 + 10 for j in range(20 + 30 * i)]
+            engine.add(f"r{i}", prompt, params)
         engine.step({rid: len(r.token_ids) for rid, r in engine.requests.items()})
-        tokens = []
+        outputs = []
         for step in range(24):
             if step == 8:
                 for rid in ("r1", "r4", "r6"):
@@ -162,7 +166,23 @@ def test_decode_graphs_bf16_realistic_shape(max_model_len, tmp_path):
                 for rid in ("r0", "r2", "r3", "r5"):
                     engine.finish(rid)
             output = engine.step({rid: 1 for rid in engine.requests})
-            tokens.append(output.sampled_token_ids)
-        return tokens
+            if forced is not None:  # continue from the eager run's tokens
+                tokens = forced[step].sampled_token_ids
+                for rid, token in zip(output.request_ids, tokens, strict=True):
+                    engine.requests[rid].token_ids[-1] = token
+            outputs.append(output)
+        return outputs
 
-    assert run(graphs=True) == run(graphs=False)
+    eager = run(graphs=False, forced=None)
+    graphed = run(graphs=True, forced=eager)
+    picks = agree = 0
+    for expected, actual in zip(eager, graphed, strict=True):
+        assert actual.request_ids == expected.request_ids
+        for i in range(len(expected.request_ids)):
+            want = sorted(lp for _, lp in expected.top_logprobs[i])
+            got = sorted(lp for _, lp in actual.top_logprobs[i])
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=0.03, rtol=0)
+            picks += 1
+            agree += actual.sampled_token_ids[i] == expected.sampled_token_ids[i]
+    print(f"bf16 graphs vs eager, max_model_len {max_model_len}: {agree}/{picks} picks agree")
+    assert agree >= 0.9 * picks

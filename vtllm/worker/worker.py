@@ -32,6 +32,7 @@ from vtllm.process import become_child_process
 from vtllm.protocol import codec
 from vtllm.protocol import messages as m
 from vtllm.worker.distributed import destroy_distributed, init_distributed
+from vtllm.worker.decode_graphs import capture_sizes
 from vtllm.worker.loader.hf_config import load_hf_config, model_facts
 from vtllm.worker.model_runner import ModelRunner
 from vtllm.worker.platform import Platform, detect_platform
@@ -177,10 +178,13 @@ def _usable_kv_bytes(
     peak_activation = platform.peak_memory_allocated() - weights
     graph_bytes = 0
     if _use_graphs(config, platform, runner):
+        # capture the largest graph once; every graph costs about as much device memory
+        # (its executable; the activations share one pool), so scale by their number
         free_before, _ = platform.memory_info()
         largest = config.scheduler.max_num_seqs
         runner.capture_decode_graphs(platform, largest, max(1, max_len), sizes=[largest])
-        graph_bytes = max(0, free_before - platform.memory_info()[0])
+        one_graph = max(0, free_before - platform.memory_info()[0])
+        graph_bytes = one_graph * len(capture_sizes(largest))
         runner.decode_graphs = None
     runner.kv_caches = []
     platform.empty_cache()
@@ -190,7 +194,7 @@ def _usable_kv_bytes(
     )
     logger.info(
         "memory: total %.2f GiB, weights %.2f GiB, peak activation %.2f GiB, decode graphs "
-        "%.2f GiB → KV %.2f GiB",
+        "%.2f GiB (estimated) → KV %.2f GiB",
         total / 2**30,
         weights / 2**30,
         peak_activation / 2**30,

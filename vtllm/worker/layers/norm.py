@@ -1,8 +1,13 @@
-"""RMSNorm in two flavours, both computed in float32:
+"""RMSNorm in two flavours, both computed in float32, with an optional fused residual add:
 
 * ``RMSNorm`` (Llama): ``w * normed(x).to(dtype)``, the weight applied after the cast.
 * ``GemmaRMSNorm`` (Gemma): ``(normed(x) * (1 + w)).to(dtype)``; the checkpoint stores the
   zero-centred ``w`` and the product happens before the cast.
+
+``norm(x)`` returns the normed ``x``; ``norm(x, residual)`` returns
+``(normed(x + residual), x + residual)`` with the add rounded to the activation dtype, as
+the Hugging Face models do it. On a GPU this is one Triton kernel
+(``kernels/rms_norm.py``); elsewhere its plain-torch reference.
 """
 
 from __future__ import annotations
@@ -13,21 +18,24 @@ from torch import nn
 from vtllm.worker.layers.linear import default_weight_loader
 
 
-def _normed(x32: torch.Tensor, eps: float) -> torch.Tensor:
-    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-
-
 class RMSNorm(nn.Module):
+    gemma = False
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * _normed(x.float(), self.eps).to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from vtllm.worker.kernels import rms_norm as kernels
+
+        norm = kernels.rms_norm if x.is_cuda else kernels.rms_norm_ref
+        normed, new_residual = norm(x, self.weight, self.eps, residual, gemma=self.gemma)
+        return normed if residual is None else (normed, new_residual)
 
 
 class GemmaRMSNorm(RMSNorm):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (_normed(x.float(), self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+    gemma = True

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -68,3 +69,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate ``x`` ``[num_tokens, num_heads, head_dim]`` by its positions' angles."""
     x1, x2 = x.chunk(2, dim=-1)  # each [num_tokens, num_heads, head_dim // 2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k in place by their positions, from a cos/sin table built once:
+    ``cos_sin_cache`` ``[max_position, head_dim]`` float32, cos | sin per position (the
+    layout of ``kernels/rotary.py``). One Triton kernel for q and k on a GPU; its
+    plain-torch reference elsewhere. Both compute in fp32 and round once."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, params)
+        cos, sin = rope_cos_sin(torch.arange(max_position), inv_freq, torch.float32)
+        cache = torch.cat((cos, sin), dim=-1)[:, 0]  # [max_position, head_dim]
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    ) -> None:
+        from vtllm.worker.kernels import rotary as kernels
+
+        rotate = kernels.rotary_embedding if q.is_cuda else kernels.rotary_embedding_ref
+        rotate(positions, q, k, self.cos_sin_cache)

@@ -6,6 +6,8 @@
       x = x + post_attention_norm(attn(input_norm(x)))
       x = x + post_feedforward_norm(mlp(pre_feedforward_norm(x)))
 
+  (each ``x + ...`` is fused into the norm that reads it: ``norm(h, residual)``);
+
 * GeGLU MLP (``gelu_pytorch_tanh`` gate): the shared ``LlamaMLP`` with another activation;
 * embeddings multiplied by ``sqrt(hidden_size)``, rounded to the weights' dtype first (as
   transformers does: in bf16 ``sqrt(640)`` becomes 25.25);
@@ -30,7 +32,7 @@ from vtllm.worker.attention import AttentionMetadata
 from vtllm.worker.distributed import TPGroup
 from vtllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vtllm.worker.layers.norm import GemmaRMSNorm
-from vtllm.worker.layers.rotary import inverse_frequencies, rope_cos_sin, rope_parameters
+from vtllm.worker.layers.rotary import RotaryEmbedding, rope_parameters
 from vtllm.worker.models.llama import (
     KVCache,
     LlamaArgs,
@@ -135,15 +137,22 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [num_tokens, hidden]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,  # [num_tokens, hidden]: the previous layer's normed MLP output
+        residual: torch.Tensor | None,  # [num_tokens, hidden]; None before the first layer
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, metadata)
-        x = x + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(mlp)  # [num_tokens, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(normed mlp output, residual stream)``, summed inside the next norm."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, metadata)
+        h = self.post_attention_layernorm(h)
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class Gemma3Model(nn.Module):
@@ -168,12 +177,9 @@ class Gemma3ForCausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.embed_scale = args.hidden_size**0.5
-        self.register_buffer(
-            "global_inv_freq", inverse_frequencies(args.head_dim, args.rope), persistent=False
-        )
-        self.register_buffer(
-            "local_inv_freq", inverse_frequencies(args.head_dim, args.local_rope), persistent=False
-        )
+        max_position = args.max_position_embeddings
+        self.global_rotary = RotaryEmbedding(args.head_dim, max_position, args.rope)
+        self.local_rotary = RotaryEmbedding(args.head_dim, max_position, args.local_rope)
 
     def forward(
         self,
@@ -184,12 +190,11 @@ class Gemma3ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        global_cos_sin = rope_cos_sin(positions, self.global_inv_freq, x.dtype)
-        local_cos_sin = rope_cos_sin(positions, self.local_inv_freq, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            cos_sin = local_cos_sin if layer.is_local else global_cos_sin
-            x = layer(x, cos_sin, kv_cache, metadata)
-        return self.model.norm(x)  # [num_tokens, hidden]
+            rotary = self.local_rotary if layer.is_local else self.global_rotary
+            x, residual = layer(x, residual, positions, rotary, kv_cache, metadata)
+        return self.model.norm(x, residual)[0]  # [num_tokens, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden).float()  # [num_rows, vocab]

@@ -26,21 +26,30 @@ from vtllm.worker.distributed import TPGroup, divide
 from vtllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vtllm.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vtllm.worker.layers.norm import RMSNorm
-from vtllm.worker.layers.rotary import (
-    apply_rope,
-    inverse_frequencies,
-    rope_cos_sin,
-    rope_parameters,
-)
+from vtllm.worker.layers.rotary import RotaryEmbedding, rope_parameters
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, kv_heads, head_dim]
 
-# HF ``hidden_act`` / ``hidden_activation`` names → the gate activation of the MLP
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-    "gelu": F.gelu,
+# HF ``hidden_act`` / ``hidden_activation`` names → (Triton kernel name in
+# ``kernels/activation.py`` or None, plain-torch gate activation)
+ACTIVATIONS: dict[str, tuple[str | None, Callable[[torch.Tensor], torch.Tensor]]] = {
+    "silu": ("silu_and_mul", F.silu),
+    "gelu_pytorch_tanh": ("gelu_tanh_and_mul", partial(F.gelu, approximate="tanh")),
+    "gelu": (None, F.gelu),
 }
+
+
+def act_and_mul(name: str, x: torch.Tensor) -> torch.Tensor:
+    """``act(x[:, :d]) * x[:, d:]`` for a fused gate|up output ``[num_tokens, 2 * d]``:
+    one Triton kernel on a GPU, its reference elsewhere (both fp32, rounded once)."""
+    kernel_name, torch_act = ACTIVATIONS[name]
+    if kernel_name is None:
+        gate, up = x.chunk(2, dim=-1)
+        return torch_act(gate) * up
+    from vtllm.worker.kernels import activation as kernels
+
+    kernel = getattr(kernels, kernel_name if x.is_cuda else kernel_name + "_ref")
+    return kernel(x)  # [num_tokens, d]
 
 
 def checked_activation(name: str) -> str:
@@ -164,7 +173,8 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,  # [num_tokens]
+        rotary: RotaryEmbedding,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -177,7 +187,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+        rotary(positions, q, k)  # in place
         write_kv_cache(k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping)
         o = paged_attention(
             q, kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window
@@ -191,11 +201,11 @@ class LlamaMLP(nn.Module):
         size = args.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(args.hidden_size, [size, size], args.mlp_bias, tp)
         self.down_proj = RowParallelLinear(size, args.hidden_size, args.mlp_bias, tp)
-        self.act = ACTIVATIONS[args.hidden_act]
+        self.hidden_act = args.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [num_tokens, inter / tp]
-        return self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * inter / tp]
+        return self.down_proj(act_and_mul(self.hidden_act, gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -208,13 +218,22 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,  # [num_tokens, hidden]: the previous layer's output
+        residual: torch.Tensor | None,  # [num_tokens, hidden]; None before the first layer
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream)``: their sum is the layer's output, added
+        inside the next norm (one fused kernel on a GPU)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, metadata)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -245,9 +264,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer(
-            "inv_freq", inverse_frequencies(args.head_dim, args.rope), persistent=False
-        )
+        self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope)
 
     def forward(
         self,
@@ -257,10 +274,10 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
-        cos_sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, kv_cache, metadata)
-        return self.model.norm(x)  # [num_tokens, hidden]
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, metadata)
+        return self.model.norm(x, residual)[0]  # [num_tokens, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden).float()  # [num_rows, vocab]

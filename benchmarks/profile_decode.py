@@ -1,0 +1,104 @@
+"""Where a decode step's time goes inside one worker (no engine core, no IPC).
+
+Builds the ModelRunner of a ``--model-shape`` (random bf16 weights) on the GPU, prefills
+``--batch`` prompts, then times ``--steps`` decode steps three ways: the whole
+``ModelRunner.execute``, the graph replay (or eager forward) alone, and a cProfile of the
+host side. Prints JSON lines and the top host functions.
+
+    python3 benchmarks/profile_decode.py --model-shape qwen3-0.6b --batch 1 [--eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "worker"))
+
+from tiny_models import EngineSim  # noqa: E402
+
+from vtllm.bench import write_shape_dir  # noqa: E402
+from vtllm.protocol.messages import SamplingParams  # noqa: E402
+from vtllm.worker.model_runner import ModelRunner  # noqa: E402
+from vtllm.worker.platform import detect_platform  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-shape", default="qwen3-0.6b")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--eager", action="store_true")
+    args = parser.parse_args()
+    platform = detect_platform(0)
+    model_dir = write_shape_dir(args.model_shape)
+    runner = ModelRunner.from_model_dir(
+        model_dir, platform.device, torch.bfloat16, seed=0, load_format="dummy"
+    )
+    runner.init_kv_cache(num_blocks=1024, block_size=16)
+    if not args.eager:
+        runner.capture_decode_graphs(platform, max(8, args.batch), 4096)
+    engine = EngineSim(runner.execute, num_blocks=1024, block_size=16)
+    for i in range(args.batch):
+        engine.add(f"r{i}", [100 + i] * 32, SamplingParams(temperature=0.0))
+    engine.step({rid: 32 for rid in engine.requests})
+    schedule = {rid: 1 for rid in engine.requests}
+    for _ in range(20):  # warm-up
+        engine.step(schedule)
+    platform.synchronize()
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step(schedule)
+    per_step = (time.perf_counter() - started) / args.steps
+
+    batch = runner.states.build_step(_step_like(engine, schedule), runner.block_size)
+    platform.synchronize()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for _ in range(args.steps):
+            runner._forward_logits(batch)
+        platform.synchronize()
+    forward = (time.perf_counter() - started) / args.steps
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(args.steps):
+        engine.step(schedule)
+    profile.disable()
+    print(
+        json.dumps(
+            {
+                "model": args.model_shape,
+                "batch": args.batch,
+                "graphs": not args.eager,
+                "execute_ms": round(per_step * 1e3, 3),
+                "forward_and_logits_ms": round(forward * 1e3, 3),
+            }
+        ),
+        flush=True,
+    )
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+    print(text.getvalue())
+
+
+def _step_like(engine: EngineSim, schedule: dict[str, int]):
+    """A SchedulerOutput carrying only the schedule (the runner already holds the state)."""
+    from vtllm.protocol.messages import SchedulerOutput
+
+    return SchedulerOutput(
+        step_id=-1, new_requests=[], cached_requests=[], num_scheduled_tokens=dict(schedule)
+    )
+
+
+if __name__ == "__main__":
+    main()
