@@ -117,12 +117,12 @@ def _serve(
         graphs = runner.capture_decode_graphs(platform, config.scheduler.max_num_seqs, max_len)
         free_after, _ = platform.memory_info()
         logger.info(
-            "captured %d decode graphs (batch %d..%d, up to %d tokens) using %.2f GiB",
+            "captured %d decode graphs (batch %d..%d, up to %d tokens) using %.0f MiB",
             len(graphs.sizes),
             graphs.sizes[0],
             graphs.sizes[-1],
             max_len,
-            (free_before - free_after) / 2**30,
+            (free_before - free_after) / 2**20,
         )
     socket.send(codec.encode(m.WorkerReady(rank=rank)))
     logger.info("ready: %d KV blocks of %d tokens", init.num_blocks, init.block_size)
@@ -194,11 +194,11 @@ def _usable_kv_bytes(
     )
     logger.info(
         "memory: total %.2f GiB, weights %.2f GiB, peak activation %.2f GiB, decode graphs "
-        "%.2f GiB (estimated) → KV %.2f GiB",
+        "%.0f MiB (estimated) → KV %.2f GiB",
         total / 2**30,
         weights / 2**30,
         peak_activation / 2**30,
-        graph_bytes / 2**30,
+        graph_bytes / 2**20,
         usable / 2**30,
     )
     return max(0, usable)
