@@ -31,8 +31,8 @@ from vtllm.config import VtllmConfig
 from vtllm.process import become_child_process
 from vtllm.protocol import codec
 from vtllm.protocol import messages as m
-from vtllm.worker.distributed import destroy_distributed, init_distributed
 from vtllm.worker.decode_graphs import capture_sizes
+from vtllm.worker.distributed import destroy_distributed, init_distributed
 from vtllm.worker.loader.hf_config import load_hf_config, model_facts
 from vtllm.worker.model_runner import ModelRunner
 from vtllm.worker.platform import Platform, detect_platform

@@ -6,11 +6,17 @@ import pytest
 import torch
 
 from vtllm.worker.kernels.rotary import rotary_embedding, rotary_embedding_ref
-from vtllm.worker.layers.rotary import apply_rope, inverse_frequencies, rope_cos_sin
+from vtllm.worker.layers.rotary import inverse_frequencies, rope_cos_sin
 
 from .marks import assert_close, gpu
 
 MAX_POSITION = 4096
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotate-half formula as Hugging Face writes it, for an independent check."""
+    x1, x2 = x.chunk(2, dim=-1)  # each [num_tokens, num_heads, head_dim // 2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def _cos_sin_cache(rotary_dim: int, device: torch.device) -> torch.Tensor:

@@ -65,12 +65,6 @@ def rope_cos_sin(
     return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[num_tokens, num_heads, head_dim]`` by its positions' angles."""
-    x1, x2 = x.chunk(2, dim=-1)  # each [num_tokens, num_heads, head_dim // 2]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Rotates q and k in place by their positions, from a cos/sin table built once:
     ``cos_sin_cache`` ``[max_position, head_dim]`` float32, cos | sin per position (the
