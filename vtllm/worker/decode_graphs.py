@@ -124,7 +124,9 @@ class DecodeInputs:
     def stage(self, batch: StepBatch) -> None:
         """Write a fitting decode batch into rows ``0 .. n - 1``, reset row ``n ..`` to
         padding, and copy the used part to the device (asynchronously from pinned
-        memory; the step's sampling syncs before the host buffer is written again)."""
+        memory). The copy is done before the host buffer is written again: rank 0's
+        sampling waits for the step, and other ranks get the next step only after rank 0
+        sampled, which waited on their all-reduces, queued behind their copies."""
         n = len(batch.query_lens)
         host = self.host_view
         host("input_ids")[:n] = batch.input_ids
