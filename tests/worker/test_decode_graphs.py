@@ -133,3 +133,41 @@ def test_decode_batches_take_the_padded_path_only_when_they_fit(model_dir):
     engine.finish("n6")
     engine.step({rid: 1 for rid in engine.requests})  # 6 decodes: padded path
     assert calls == [6]
+
+
+def test_capture_progress_is_logged_in_tenths(caplog):
+    import logging
+
+    from vtllm.log import ProgressLog
+
+    progress = ProgressLog(logging.getLogger("test.progress"), "capturing decode graphs", 35)
+    with caplog.at_level(logging.INFO, logger="test.progress"):
+        for size in reversed(capture_sizes(256)):
+            progress.advance(f"batch {size}")
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 11  # the first graph, each further tenth, the last
+    assert lines[0].startswith("capturing decode graphs [----------] 1/35 (batch 256)")
+    assert lines[-1].startswith("capturing decode graphs [##########] 35/35 (batch 1)")
+
+
+def test_graph_length_and_switch_follow_the_config():
+    from vtllm.config import VtllmConfig
+    from vtllm.protocol.messages import InitKVCache
+    from vtllm.worker.worker import _graph_max_len, _use_graphs
+
+    config = VtllmConfig()
+    init = InitKVCache(num_blocks=100, block_size=16)
+    assert _graph_max_len(config, 40960, init) == 1600  # what the cache holds
+    config.model.max_model_len = 512
+    assert _graph_max_len(config, 40960, init) == 512
+    runner = type("Runner", (), {"attention_backend": "triton"})()
+    assert not _use_graphs(config, cpu_platform(), runner)  # no graphs on CPU
+    from vtllm.worker.platform import PlatformKind
+
+    gpu = Platform(PlatformKind.CUDA, torch.device("cuda", 0))  # only described, not used
+    assert _use_graphs(config, gpu, runner)
+    config.model.enforce_eager = True
+    assert not _use_graphs(config, gpu, runner)
+    config.model.enforce_eager = False
+    runner.attention_backend = "torch"  # VT_ATTENTION_BACKEND=torch: no kernel, no graphs
+    assert not _use_graphs(config, gpu, runner)
