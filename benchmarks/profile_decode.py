@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "worker")
 from tiny_models import EngineSim  # noqa: E402
 
 from vtllm.bench import write_shape_dir  # noqa: E402
-from vtllm.protocol.messages import SamplingParams  # noqa: E402
+from vtllm.protocol.messages import SamplingParams, SchedulerOutput  # noqa: E402
 from vtllm.worker.model_runner import ModelRunner  # noqa: E402
 from vtllm.worker.platform import detect_platform  # noqa: E402
 
@@ -91,10 +91,8 @@ def main() -> None:
     print(text.getvalue())
 
 
-def _step_like(engine: EngineSim, schedule: dict[str, int]):
+def _step_like(engine: EngineSim, schedule: dict[str, int]) -> SchedulerOutput:
     """A SchedulerOutput carrying only the schedule (the runner already holds the state)."""
-    from vtllm.protocol.messages import SchedulerOutput
-
     return SchedulerOutput(
         step_id=-1, new_requests=[], cached_requests=[], num_scheduled_tokens=dict(schedule)
     )

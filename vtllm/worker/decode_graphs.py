@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -194,27 +193,29 @@ class DecodeGraphs:
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool = platform.new_graph_pool() if use_graphs else None
 
-    def capture(self) -> float:
+    def capture(self) -> None:
         """Capture every size, largest first (later ones reuse its pool memory), with a
-        progress log. Returns seconds taken. A no-op without graphs."""
+        progress log. A no-op without graphs."""
         if not self.use_graphs:
-            return 0.0
-        started = time.monotonic()
+            return
         progress = ProgressLog(logger, "capturing decode graphs", len(self.sizes))
         for size in reversed(self.sizes):
-            metadata = self.inputs.metadata(size, self.split_rule(size))
-            ids = self.inputs.device_view("input_ids")[:size]
-            positions = self.inputs.device_view("positions")[:size]
             # warm-up outside the graph: Triton compiles and autotunes here, not in capture
-            self.forward(ids, positions, self.kv_caches, metadata)
+            self._forward_padded(size)
             self.platform.synchronize()
             with self.platform.capture_graph(self._pool) as graph:
-                hidden = self.forward(ids, positions, self.kv_caches, metadata)
+                hidden = self._forward_padded(size)
             self._graphs[size] = graph
             self._outputs[size] = hidden
             progress.advance(f"batch {size}")
         self.platform.synchronize()
-        return time.monotonic() - started
+
+    def _forward_padded(self, size: int) -> torch.Tensor:
+        """The forward over the first ``size`` rows of the persistent inputs."""
+        metadata = self.inputs.metadata(size, self.split_rule(size))
+        ids = self.inputs.device_view("input_ids")[:size]
+        positions = self.inputs.device_view("positions")[:size]
+        return self.forward(ids, positions, self.kv_caches, metadata)  # [size, hidden]
 
     def can_run(self, batch: StepBatch) -> bool:
         return self.inputs.fits(batch)
@@ -227,9 +228,6 @@ class DecodeGraphs:
         assert size is not None, n
         self.inputs.stage(batch)
         if not self.use_graphs:
-            metadata = self.inputs.metadata(size, self.split_rule(size))
-            ids = self.inputs.device_view("input_ids")[:size]
-            positions = self.inputs.device_view("positions")[:size]
-            return self.forward(ids, positions, self.kv_caches, metadata)[:n]
+            return self._forward_padded(size)[:n]
         self._graphs[size].replay()
         return self._outputs[size][:n]

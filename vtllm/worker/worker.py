@@ -102,7 +102,8 @@ def _serve(
     attn = runner.model.model.layers[0].self_attn
     name = config.model.default_served_name(model_dir)
     facts = model_facts(model_dir, hf_config, name, attn.num_kv_heads, attn.head_dim, dtype)
-    usable = _usable_kv_bytes(config, platform, runner, facts.max_position_embeddings)
+    use_graphs = _use_graphs(config, platform, runner)
+    usable = _usable_kv_bytes(config, platform, runner, facts.max_position_embeddings, use_graphs)
     socket.send(codec.encode(m.WorkerReport(rank=rank, facts=facts, usable_kv_bytes=usable)))
 
     decoder = codec.engine_to_worker_decoder()
@@ -111,18 +112,17 @@ def _serve(
         return
     runner.init_kv_cache(init.num_blocks, init.block_size)
     runner.dummy_run(min(init.block_size, init.num_blocks * init.block_size))
-    if _use_graphs(config, platform, runner):
+    if use_graphs:
         max_len = _graph_max_len(config, facts.max_position_embeddings, init)
-        free_before, _ = platform.memory_info()
-        graphs = runner.capture_decode_graphs(platform, config.scheduler.max_num_seqs, max_len)
-        free_after, _ = platform.memory_info()
+        sizes = capture_sizes(config.scheduler.max_num_seqs)
+        used = _capture_graphs(runner, platform, max_len, sizes)
         logger.info(
             "captured %d decode graphs (batch %d..%d, up to %d tokens) using %.0f MiB",
-            len(graphs.sizes),
-            graphs.sizes[0],
-            graphs.sizes[-1],
+            len(sizes),
+            sizes[0],
+            sizes[-1],
             max_len,
-            (free_before - free_after) / 2**20,
+            used / 2**20,
         )
     socket.send(codec.encode(m.WorkerReady(rank=rank)))
     logger.info("ready: %d KV blocks of %d tokens", init.num_blocks, init.block_size)
@@ -150,6 +150,14 @@ def _use_graphs(config: VtllmConfig, platform: Platform, runner: ModelRunner) ->
     return True
 
 
+def _capture_graphs(runner: ModelRunner, platform: Platform, max_len: int, sizes: list[int]) -> int:
+    """Capture decode graphs of ``sizes`` into ``runner``; returns the device memory
+    they took (the drop in free memory across the capture)."""
+    free_before, _ = platform.memory_info()
+    runner.capture_decode_graphs(platform, sizes[-1], max_len, sizes=sizes)
+    return max(0, free_before - platform.memory_info()[0])
+
+
 def _graph_max_len(config: VtllmConfig, max_position: int, init: m.InitKVCache) -> int:
     """Longest sequence a decode graph must serve: the model length cap, no more than
     the KV cache holds (the engine core's fitted ``max_model_len`` is never above it)."""
@@ -158,7 +166,11 @@ def _graph_max_len(config: VtllmConfig, max_position: int, init: m.InitKVCache) 
 
 
 def _usable_kv_bytes(
-    config: VtllmConfig, platform: Platform, runner: ModelRunner, max_position: int
+    config: VtllmConfig,
+    platform: Platform,
+    runner: ModelRunner,
+    max_position: int,
+    use_graphs: bool,
 ) -> int:
     """CPU: ``--kv-cache-memory``. GPU: utilisation × total − weights − peak activation
     of a max-size dummy step (run over a temporary KV cache just big enough for it) −
@@ -177,14 +189,11 @@ def _usable_kv_bytes(
     platform.synchronize()
     peak_activation = platform.peak_memory_allocated() - weights
     graph_bytes = 0
-    if _use_graphs(config, platform, runner):
+    if use_graphs:
         # capture the largest graph once; every graph costs about as much device memory
         # (its executable; the activations share one pool), so scale by their number
-        free_before, _ = platform.memory_info()
-        largest = config.scheduler.max_num_seqs
-        runner.capture_decode_graphs(platform, largest, max(1, max_len), sizes=[largest])
-        one_graph = max(0, free_before - platform.memory_info()[0])
-        graph_bytes = one_graph * len(capture_sizes(largest))
+        sizes = capture_sizes(config.scheduler.max_num_seqs)
+        graph_bytes = _capture_graphs(runner, platform, max(1, max_len), sizes[-1:]) * len(sizes)
         runner.decode_graphs = None
     runner.kv_caches = []
     platform.empty_cache()

@@ -36,6 +36,15 @@ class RMSNorm(nn.Module):
         normed, new_residual = norm(x, self.weight, self.eps, residual, gemma=self.gemma)
         return normed if residual is None else (normed, new_residual)
 
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(normed(x + residual), x + residual)``; before the first layer, where there
+        is no residual stream yet, ``(normed(x), x)``."""
+        if residual is None:
+            return self(x), x
+        return self(x, residual)
+
 
 class GemmaRMSNorm(RMSNorm):
     gemma = True

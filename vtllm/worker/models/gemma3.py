@@ -145,10 +145,7 @@ class Gemma3DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(normed mlp output, residual stream)``, summed inside the next norm."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
         h = self.self_attn(h, positions, rotary, kv_cache, metadata)
         h = self.post_attention_layernorm(h)
         h, residual = self.pre_feedforward_layernorm(h, residual)

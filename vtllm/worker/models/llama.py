@@ -227,10 +227,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual stream)``: their sum is the layer's output, added
         inside the next norm (one fused kernel on a GPU)."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
         h = self.self_attn(h, positions, rotary, kv_cache, metadata)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
