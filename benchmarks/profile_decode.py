@@ -60,7 +60,7 @@ def main() -> None:
         engine.step(schedule)
     per_step = (time.perf_counter() - started) / args.steps
 
-    batch = runner.states.build_step(_step_like(engine, schedule), runner.block_size)
+    batch = runner.states.build_step(_step_like(schedule), runner.block_size)
     platform.synchronize()
     started = time.perf_counter()
     with torch.inference_mode():
@@ -91,7 +91,7 @@ def main() -> None:
     print(text.getvalue())
 
 
-def _step_like(engine: EngineSim, schedule: dict[str, int]) -> SchedulerOutput:
+def _step_like(schedule: dict[str, int]) -> SchedulerOutput:
     """A SchedulerOutput carrying only the schedule (the runner already holds the state)."""
     return SchedulerOutput(
         step_id=-1, new_requests=[], cached_requests=[], num_scheduled_tokens=dict(schedule)
