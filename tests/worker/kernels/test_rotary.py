@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vtllm.worker.kernels.rotary import rotary_embedding, rotary_embedding_ref
-from vtllm.worker.layers.rotary import inverse_frequencies, rope_cos_sin
+from vtllm.worker.layers.rotary import cos_sin_table, inverse_frequencies, rope_cos_sin
 
 from .marks import assert_close, gpu
 
@@ -20,9 +20,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def _cos_sin_cache(rotary_dim: int, device: torch.device) -> torch.Tensor:
-    inv_freq = inverse_frequencies(rotary_dim, {"rope_type": "default", "rope_theta": 10000.0})
-    cos, sin = rope_cos_sin(torch.arange(MAX_POSITION), inv_freq, torch.float32)
-    return torch.cat([cos, sin], dim=-1)[:, 0].to(device)  # [MAX_POSITION, rotary_dim]
+    params = {"rope_type": "default", "rope_theta": 10000.0}
+    return cos_sin_table(rotary_dim, MAX_POSITION, params).to(device)  # [MAX_POSITION, r]
 
 
 def _qk(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, generator):

@@ -5,9 +5,7 @@ The cos/sin cache holds one row per position, cos then sin::
     cos_sin_cache[pos] = [cos(pos * f_0) .. cos(pos * f_{r/2-1}) | sin(pos * f_0) .. ]
                           <------------- r/2 ------------->       <----- r/2 ----->
 
-with ``r = rotary_dim <= head_dim`` (build it once from ``layers.rotary``'s inverse
-frequencies: ``torch.cat(rope_cos_sin(torch.arange(max_pos), inv_freq, torch.float32),
--1)[:, 0]``). The first ``r`` dims of each head are rotated as halves,
+with ``r = rotary_dim <= head_dim`` (build it once with ``layers.rotary.cos_sin_table``). The first ``r`` dims of each head are rotated as halves,
 ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``; dims ``r..head_dim`` are untouched.
 """
 

@@ -65,6 +65,14 @@ def rope_cos_sin(
     return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
 
 
+def cos_sin_table(rotary_dim: int, max_position: int, params: dict[str, Any]) -> torch.Tensor:
+    """``[max_position, rotary_dim]`` float32, cos | sin of every position: the table
+    ``kernels/rotary.py`` reads."""
+    inv_freq = inverse_frequencies(rotary_dim, params)
+    cos, sin = rope_cos_sin(torch.arange(max_position), inv_freq, torch.float32)
+    return torch.cat((cos, sin), dim=-1)[:, 0]
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates q and k in place by their positions, from a cos/sin table built once:
     ``cos_sin_cache`` ``[max_position, head_dim]`` float32, cos | sin per position (the
@@ -73,9 +81,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, params)
-        cos, sin = rope_cos_sin(torch.arange(max_position), inv_freq, torch.float32)
-        cache = torch.cat((cos, sin), dim=-1)[:, 0]  # [max_position, head_dim]
+        cache = cos_sin_table(head_dim, max_position, params)  # [max_position, head_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(
