@@ -13,12 +13,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="session")
 def server(smollm2_dir, vt_cache_dir):
-    srv = ServerProcess("--kv-cache-memory", "512MiB", cache_dir=vt_cache_dir).start()
-    try:
-        srv.wait_healthy()
+    with ServerProcess("--kv-cache-memory", "512MiB", cache_dir=vt_cache_dir).serving() as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="session")

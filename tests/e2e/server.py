@@ -3,6 +3,7 @@ wait, stopped by its process group, its log printed when something fails."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -103,6 +105,16 @@ class ServerProcess:
                 pass
             time.sleep(0.2)
         raise AssertionError(f"server not healthy after {timeout_s}s:\n{self.tail()}")
+
+    @contextlib.contextmanager
+    def serving(self, timeout_s: float = 180.0) -> Iterator[ServerProcess]:
+        """Start, wait until healthy, and stop on the way out (fixtures yield inside)."""
+        self.start()
+        try:
+            self.wait_healthy(timeout_s)
+            yield self
+        finally:
+            self.stop()
 
     def wait_exit(self, timeout_s: float) -> int:
         try:

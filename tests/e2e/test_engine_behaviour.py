@@ -19,12 +19,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tiny_kv_server(smollm2_dir, vt_cache_dir):
-    srv = ServerProcess("--kv-cache-memory", "8MiB", cache_dir=vt_cache_dir).start()
-    try:
-        srv.wait_healthy()
+    with ServerProcess("--kv-cache-memory", "8MiB", cache_dir=vt_cache_dir).serving() as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _complete(server: ServerProcess, prompt: str, max_tokens: int) -> dict:

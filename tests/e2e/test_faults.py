@@ -22,17 +22,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir, vt_cache_dir):
-    srv = ServerProcess(
+    with ServerProcess(
         "--kv-cache-memory",
         "128MiB",
         cache_dir=vt_cache_dir,
         env={"VT_HEARTBEAT_INTERVAL_S": "0.5", "VT_HEARTBEAT_TIMEOUT_S": "5"},
-    ).start()
-    try:
-        srv.wait_healthy()
+    ).serving() as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 GARBAGE = [

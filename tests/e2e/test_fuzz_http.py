@@ -83,7 +83,7 @@ SEEDS = {
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir, vt_cache_dir):
-    srv = ServerProcess(
+    with ServerProcess(
         "--kv-cache-memory",
         "64MiB",
         "--max-model-len",
@@ -91,12 +91,8 @@ def server(smollm2_dir, vt_cache_dir):
         "--default-max-tokens",
         "4",
         cache_dir=vt_cache_dir,
-    ).start()
-    try:
-        srv.wait_healthy()
+    ).serving() as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

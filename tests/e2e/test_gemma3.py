@@ -22,14 +22,10 @@ def server(vt_cache_dir):
         part_paths(find_parted_gguf("gemma3-270m"))
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    srv = ServerProcess(
+    with ServerProcess(
         "--model", "gemma3-270m", "--kv-cache-memory", "128MiB", cache_dir=vt_cache_dir
-    ).start()
-    try:
-        srv.wait_healthy(timeout_s=300)  # includes assembling and converting on a cold cache
+    ).serving(timeout_s=300) as srv:  # includes assembling and converting on a cold cache
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_greedy_completion_matches_transformers(server):

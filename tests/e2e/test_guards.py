@@ -41,12 +41,8 @@ def test_pinned_max_model_len_that_does_not_fit_refuses_to_start(smollm2_dir, vt
 
 @pytest.fixture(scope="module")
 def small_kv_server(smollm2_dir, vt_cache_dir):
-    srv = ServerProcess("--kv-cache-memory", "32MiB", cache_dir=vt_cache_dir).start()
-    try:
-        srv.wait_healthy()
+    with ServerProcess("--kv-cache-memory", "32MiB", cache_dir=vt_cache_dir).serving() as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_unpinned_max_model_len_is_auto_fitted(small_kv_server):
@@ -110,7 +106,7 @@ def test_direct_zmq_oversized_request_errors_while_others_are_served(small_kv_se
 @pytest.fixture(scope="module")
 def slow_server(smollm2_dir, vt_cache_dir):
     """Every model execution takes 1.5 s: a stand-in for long prefills / a stuck device."""
-    srv = ServerProcess(
+    with ServerProcess(
         "--kv-cache-memory",
         "64MiB",
         cache_dir=vt_cache_dir,
@@ -119,12 +115,8 @@ def slow_server(smollm2_dir, vt_cache_dir):
             "VT_TEST_WORKER_STEP_DELAY_S": "1.5",
             "VT_SSE_KEEPALIVE_S": "0.4",
         },
-    ).start()
-    try:
-        srv.wait_healthy()
+    ).serving() as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_heartbeat_shows_idle_busy_and_stalled(slow_server):
