@@ -188,6 +188,12 @@ class EngineEndpointConfig:
         "CurveZMQ key file (from `vtllm keygen`) securing a tcp:// engine address; "
         "required to bind a non-loopback address. Clients need the same file.",
     )
+    shutdown_timeout: float = _opt(
+        30.0,
+        "Seconds a stopping server (SIGTERM/SIGINT) lets running requests finish before "
+        "it ends the rest with an error; 0 ends them at once. Applies to the HTTP "
+        "frontend's open streams and to the engine core's running requests.",
+    )
 
 
 @dataclass
@@ -228,6 +234,10 @@ class VtllmConfig:
             )
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             problems.append(f"--max-model-len must be >= 1, got {self.model.max_model_len}")
+        if self.engine.shutdown_timeout < 0:
+            problems.append(
+                f"--shutdown-timeout must be >= 0 seconds, got {self.engine.shutdown_timeout}"
+            )
         if self.parallel.tensor_parallel_size < 1:
             problems.append(
                 f"--tensor-parallel-size must be >= 1, got {self.parallel.tensor_parallel_size}"
