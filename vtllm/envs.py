@@ -50,7 +50,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VT_CACHE_DIR": _cache_dir,
     # Seconds between engine-core heartbeat log lines; unset or 0 = off.
     "VT_ENGINE_STEP_LOG": lambda: _optional_float("VT_ENGINE_STEP_LOG"),
-    # Seconds between SSE keepalive comments while a stream waits for its first token.
+    # Seconds of silence after which a stream sends an SSE keepalive comment (0 = off).
     "VT_SSE_KEEPALIVE_S": lambda: _float("VT_SSE_KEEPALIVE_S", 10.0),
     # Bearer token required on /v1/* (same as --api-key).
     "VT_API_KEY": lambda: os.environ.get("VT_API_KEY") or None,

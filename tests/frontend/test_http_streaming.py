@@ -57,7 +57,31 @@ async def test_keepalive_while_waiting_for_first_token(serve, monkeypatch) -> No
     events = [e for e in r.text.split("\n\n") if e]
     first_data = next(i for i, e in enumerate(events) if e.startswith("data: "))
     assert first_data >= 2 and all(e == ": keepalive" for e in events[:first_data])
-    assert ": keepalive" not in events[first_data:]
+    assert events[-1] == "data: [DONE]"
+
+
+def _carries_text(event: str) -> bool:
+    if not event.startswith("data: {"):
+        return False
+    choices = json.loads(event[len("data: ") :])["choices"]
+    return bool(choices and (choices[0].get("text") or choices[0].get("delta", {}).get("content")))
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_keepalive_whenever_a_stream_is_silent(serve, monkeypatch, path: str) -> None:
+    """A stream that stalls after its first token (a slow step, recompute after
+    preemption) still sends keepalives between its tokens, on both endpoints."""
+    monkeypatch.setenv("VT_SSE_KEEPALIVE_S", "0.05")
+    served = await serve(text="Hello world! The end.")
+    served.fake.token_interval_s = 0.3
+    body = {**USER, "stream": True} if path == CHAT else {"prompt": "Hi", "stream": True}
+    r = await served.http.post(path, json=body)
+    events = [e for e in r.text.split("\n\n") if e]
+    text_events = [i for i, e in enumerate(events) if _carries_text(e)]
+    assert len(text_events) >= 3, r.text
+    # between the first and the second token (0.3 s apart) the stream was not silent
+    between = events[text_events[0] + 1 : text_events[1]]
+    assert len(between) >= 2 and all(e == ": keepalive" for e in between), events
     assert events[-1] == "data: [DONE]"
 
 

@@ -1,8 +1,9 @@
 """Server-sent events: the wire format and the keepalive-aware delta stream.
 
-Events are ``data: {json}\\n\\n``; the stream ends with ``data: [DONE]\\n\\n``. While no
-delta has arrived yet (a long prefill), a ``: keepalive`` comment goes out every
-``VT_SSE_KEEPALIVE_S`` seconds (0 = off) so proxies and clients do not time out.
+Events are ``data: {json}\\n\\n``; the stream ends with ``data: [DONE]\\n\\n``. Whenever a
+stream has been silent for ``VT_SSE_KEEPALIVE_S`` seconds (0 = off) — queued, in a long
+prefill, or stalled later (recompute after preemption, a slow step) — a ``: keepalive``
+comment goes out, so proxies with idle timeouts do not cut it.
 """
 
 from __future__ import annotations
@@ -40,23 +41,20 @@ KEEPALIVE = KeepAlive()
 async def deltas_with_keepalive(
     merger: ChoiceMerger, keepalive_s: float | None = None
 ) -> AsyncIterator[ChoiceDelta | KeepAlive]:
-    """The merger's deltas; before the first one, ``KEEPALIVE`` every ``keepalive_s``
-    seconds of waiting (default ``VT_SSE_KEEPALIVE_S``; <= 0 = no keepalives)."""
+    """The merger's deltas, and ``KEEPALIVE`` after every ``keepalive_s`` seconds without
+    one, before the first delta or between any two (default ``VT_SSE_KEEPALIVE_S``;
+    <= 0 = no keepalives)."""
     if keepalive_s is None:
         keepalive_s = envs.VT_SSE_KEEPALIVE_S
-    first = True
+    timeout = keepalive_s if keepalive_s > 0 else None
     while True:
-        if first and keepalive_s > 0:
-            try:
-                delta = await merger.get(timeout=keepalive_s)
-            except asyncio.TimeoutError:
-                yield KEEPALIVE
-                continue
-        else:
-            delta = await merger.get()
+        try:
+            delta = await merger.get(timeout=timeout)
+        except asyncio.TimeoutError:
+            yield KEEPALIVE
+            continue
         if delta is None:
             return
-        first = False
         yield delta
 
 
