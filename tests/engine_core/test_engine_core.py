@@ -175,7 +175,7 @@ def test_probe_is_pure_and_failed_admission_publishes_nothing():
         assert kv.num_matched_prefix_tokens(waiter) == 0
     core.step()  # waiter cannot be admitted (needs 3 blocks, 1 free): it waits
     assert waiter in core.scheduler.waiting
-    assert kv.stats.queries == 0 and core.counters.prefix_queries == 17 + 12
+    assert kv.stats.queries == 0 and core.counters.prefix_queries == 17  # not admitted yet
     assert len(kv.pool.cached_blocks) == 4  # only hog's computed full blocks
     run_to_completion(core)
     # The identical request matches only KV that a forward pass wrote (the fake executor
@@ -185,14 +185,17 @@ def test_probe_is_pure_and_failed_admission_publishes_nothing():
     assert out.new_token_ids == expected_tokens(probe, 1)
 
 
-def test_waiting_request_counted_once_while_it_waits():
+def test_waiting_request_counted_once_at_admission():
     core, _ = make_core(num_blocks=7, block_size=4, max_model_len=24)
     add(core, "hog", prompt_of(17, 9), max_tokens=5)
     core.step()
     add(core, "waiter", prompt_of(12, 3), max_tokens=1)
     for _ in range(3):
         core.step()
-    assert core.counters.prefix_queries == 17 + 12
+        assert core.scheduler.requests["waiter"] in core.scheduler.waiting
+    assert core.counters.prefix_queries == 17  # failed attempts count nothing
+    run_to_completion(core)
+    assert core.counters.prefix_queries == 17 + 12  # its admission, once
 
 
 def test_preemption_gives_same_outputs_as_unconstrained_run():
@@ -211,12 +214,17 @@ def test_preemption_gives_same_outputs_as_unconstrained_run():
     assert pool.num_free_blocks == pool.num_usable_blocks
 
 
-def test_priority_policy_preempts_lowest_priority():
-    core, _ = make_core(num_blocks=7, max_model_len=24, policy="priority")
+def test_priority_policy_admits_and_keeps_the_highest_priority():
+    # 6 usable blocks of 4; each request grows to 16 tokens = 4 blocks, so one of the two
+    # must be preempted. fcfs would admit "low" first and preempt the newest, "high".
+    core, executor = make_core(num_blocks=7, max_model_len=24, policy="priority")
     params = m.SamplingParams(temperature=0.0, max_tokens=8)
     core.add_request(b"c", m.AddRequest("low", prompt_of(8, 1), params, priority=5))
     core.add_request(b"c", m.AddRequest("high", prompt_of(8, 2), params, priority=0))
+    low, high = core.scheduler.requests["low"], core.scheduler.requests["high"]
     out = run_to_completion(core)
+    assert [r.request_id for r in executor.steps[0].new_requests] == ["high", "low"]
+    assert high.num_preemptions == 0 and low.num_preemptions >= 1
     assert out["high"].new_token_ids == expected_tokens(prompt_of(8, 2), 8)
     assert out["low"].new_token_ids == expected_tokens(prompt_of(8, 1), 8)
 

@@ -43,6 +43,27 @@ class EngineFacts:
 Outputs = list[tuple[ClientId, m.RequestOutput]]
 
 
+def reserve_full_sequence_warning(config: VtllmConfig, facts: EngineFacts) -> str | None:
+    """The start-up warning ``--reserve-full-sequence`` deserves (None when it is off):
+    a request without max_tokens reserves KV for all of max_model_len, so only as many of
+    them run at once as whole max_model_len sequences fit in the pool — often one."""
+    if not config.scheduler.reserve_full_sequence:
+        return None
+    num_whole = (facts.num_blocks - 1) * facts.block_size // facts.max_model_len
+    default = config.frontend.default_max_tokens
+    advice = (
+        f"--default-max-tokens is {default}, so only clients that talk to the engine core "
+        "directly are affected"
+        if default is not None
+        else "set --default-max-tokens (e.g. 512) on the frontend, or send max_tokens"
+    )
+    return (
+        "--reserve-full-sequence is on: a request without max_tokens reserves KV for "
+        f"max_model_len ({facts.max_model_len}) tokens, and the KV cache holds {num_whole} "
+        f"such reservations, so at most {num_whole} of those requests run at once; {advice}"
+    )
+
+
 class EngineCore:
     def __init__(self, config: VtllmConfig, facts: EngineFacts, executor: Executor) -> None:
         self.config = config
@@ -57,6 +78,9 @@ class EngineCore:
         )
         self.counters = LoopCounters()
         self.progress = PrefillProgress()
+        warning = reserve_full_sequence_warning(config, facts)
+        if warning is not None:
+            logger.warning(warning)
 
     # -- requests --------------------------------------------------------------------
 

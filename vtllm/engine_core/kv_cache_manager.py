@@ -62,16 +62,19 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Admission-path lookup: the cached prefix blocks and their token count.
 
-        Records prefix-cache stats once per admission: a request that waits at the head of
-        the queue across many steps is counted on its first attempt only.
+        Records nothing: a request that waits for blocks may look up many times; only
+        ``record_admission`` counts, once it got its blocks.
         """
         blocks = self._longest_cached_prefix(request)
-        num_tokens = len(blocks) * self.block_size
-        if self.enable_caching and not request.prefix_stats_recorded:
-            request.prefix_stats_recorded = True
+        return blocks, len(blocks) * self.block_size
+
+    def record_admission(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admission in the prefix-cache stats: all of the request's tokens are
+        queried, ``num_hit_tokens`` of them hit. Resumption after preemption is a new
+        admission (its recompute can hit its own freed blocks)."""
+        if self.enable_caching:
             self.stats.queries += request.num_tokens
-            self.stats.hits += num_tokens
-        return blocks, num_tokens
+            self.stats.hits += num_hit_tokens
 
     # -- allocation ------------------------------------------------------------------
 

@@ -86,7 +86,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.block_hashes: list[BlockHash] = []
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet
-        self.prefix_stats_recorded = False  # once per admission (reset on preemption)
         self.num_preemptions = 0
         self.received_time = time.monotonic()  # engine clock
         self.first_scheduled_time: float | None = None

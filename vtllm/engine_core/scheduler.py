@@ -11,10 +11,23 @@ prefix hits and resumption after preemption are all that one rule:
 A waiting request that cannot get blocks now *waits* (peek and break): the start-up
 guard guarantees it fits once others finish or are preempted, so it is never aborted for
 transient pressure.
+
+Long prefills share the step: while other requests are unfinished, one request's chunk is
+capped at ``long_prefill_token_threshold`` so that the rest of the budget serves the
+others (a short prompt's whole prefill, decodes). A lone request takes the whole budget::
+
+    budget 2048, threshold 512        lone long prompt     long prompt + short one
+    long  |■■■■■■■■■■■■■■■■■■■■■■■■|  2048 per step        512 per step
+    short |■|                          —                    its whole prefill, same step
+
+Every scheduled request whose computed tokens reach its known tokens is *due* a sampled
+token; one that gets neither a token nor an error ends with an error finish (never
+RUNNING forever).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,6 +36,8 @@ from vtllm.config import CacheConfig, SchedulerConfig
 from vtllm.engine_core.kv_cache_manager import KVCacheManager
 from vtllm.engine_core.request import Request, RequestStatus
 from vtllm.protocol import messages as m
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,6 +48,9 @@ class ScheduledStep:
     message: m.SchedulerOutput
     # request id → (tokens computed before this step, tokens scheduled)
     prefill_chunks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # requests whose scheduled tokens reach their last known token: each must get a
+    # sampled token (or an error) back from this step
+    due_token_ids: set[str] = field(default_factory=set)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -121,13 +139,21 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
-        victim.prefix_stats_recorded = False  # resumption is a new admission
         if victim.num_tokens_sent_to_workers is not None:
             self._finished_for_workers.append(victim.request_id)
             victim.num_tokens_sent_to_workers = None
         self.waiting.insert(0, victim)
         self.num_preemptions += 1
         self.num_preemptions_total += 1
+
+    def _chunk_size(self, request: Request, num_computed: int, budget: int) -> int:
+        """Tokens to compute for ``request`` this step: what it still needs, within the
+        budget, and within the long-prefill threshold while others are unfinished."""
+        num_new = min(request.num_tokens - num_computed, budget)
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new and self.num_unfinished > 1:
+            num_new = threshold
+        return num_new
 
     def schedule(self) -> ScheduledStep:
         budget = self.config.max_num_batched_tokens
@@ -140,7 +166,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk_size(request, request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -175,7 +201,7 @@ class Scheduler:
         ):
             request = self._pick_waiting()
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
+            num_new = self._chunk_size(request, num_hit, budget)
             num_reserved = 0
             if self.config.reserve_full_sequence:
                 full = request.num_prompt_tokens + request.max_tokens
@@ -183,6 +209,7 @@ class Scheduler:
             block_ids = self.kv.allocate_slots(request, num_new, computed_blocks, num_reserved)
             if block_ids is None:
                 break  # peek and break: it waits for blocks to free up, never aborted
+            self.kv.record_admission(request, num_hit)
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -207,6 +234,7 @@ class Scheduler:
         self._step_id += 1
         new_requests, cached_requests = [], []
         prefill_chunks = {}
+        due_token_ids = set()
         for request in scheduled:
             request_id = request.request_id
             if request.num_computed_tokens < request.num_prompt_tokens:
@@ -236,6 +264,8 @@ class Scheduler:
                 )
             request.num_tokens_sent_to_workers = request.num_tokens
             request.num_computed_tokens += num_scheduled[request_id]
+            if request.num_computed_tokens == request.num_tokens:
+                due_token_ids.add(request_id)
         message = m.SchedulerOutput(
             step_id=self._step_id,
             new_requests=new_requests,
@@ -244,7 +274,7 @@ class Scheduler:
             finished_request_ids=self._finished_for_workers,
         )
         self._finished_for_workers = []
-        return ScheduledStep(self._step_id, message, prefill_chunks)
+        return ScheduledStep(self._step_id, message, prefill_chunks, due_token_ids)
 
     # -- results ---------------------------------------------------------------------
 
@@ -253,7 +283,9 @@ class Scheduler:
     ) -> list[tuple[Request, m.RequestOutput]]:
         """Append sampled tokens, apply stop rules, free finished requests.
 
-        Returns (request, output) for every request with news for its client.
+        Returns (request, output) for every request with news for its client. A request
+        that was due a token (``step.due_token_ids``) and got neither a token nor an
+        error ends with an error finish saying so.
         """
         outputs = []
         logprobs = result.logprobs
@@ -285,6 +317,19 @@ class Scheduler:
             if request is None or request.status.is_finished:
                 continue
             request.error = f"the model failed on this request: {error}"
+            self.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+            outputs.append((request, self._output(request, [])))
+        answered = set(result.request_ids) | set(result.errors)
+        for request_id in sorted(step.due_token_ids - answered):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            when = "its prefill completed" if request_id in step.prefill_chunks else "decoding"
+            request.error = (
+                f"the workers returned no token for this request in step {step.step_id} "
+                f"({when}) and no error; it was ended instead of waiting forever"
+            )
+            logger.error("request %s: %s", request_id, request.error)
             self.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
             outputs.append((request, self._output(request, [])))
         return outputs
