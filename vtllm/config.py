@@ -143,7 +143,17 @@ class SchedulerConfig:
     reserve_full_sequence: bool = _opt(
         False,
         "Admit a request only when KV for its whole prompt plus max tokens is free "
-        "(no preemption churn, fewer requests at once).",
+        "(no preemption churn, fewer requests at once). A request without max_tokens "
+        "reserves max_model_len tokens, so few of those run at once (often one): pair "
+        "it with --default-max-tokens.",
+    )
+    long_prefill_token_threshold: int = _opt(
+        512,
+        "Most prompt tokens one request may prefill in a step while other requests are "
+        "waiting or running, so a short request admitted meanwhile gets its first token "
+        "after about one capped step instead of after the whole long prefill (decodes "
+        "keep flowing too). A lone request still uses the whole --max-num-batched-tokens "
+        "budget. 0 turns the cap off.",
     )
 
 
@@ -231,6 +241,11 @@ class VtllmConfig:
             problems.append(
                 "--max-num-batched-tokens must be >= 1, got "
                 f"{self.scheduler.max_num_batched_tokens}"
+            )
+        if self.scheduler.long_prefill_token_threshold < 0:
+            problems.append(
+                "--long-prefill-token-threshold must be >= 0 (0 = off), got "
+                f"{self.scheduler.long_prefill_token_threshold}"
             )
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             problems.append(f"--max-model-len must be >= 1, got {self.model.max_model_len}")
