@@ -58,8 +58,12 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VT_HEARTBEAT_TIMEOUT_S": lambda: _float("VT_HEARTBEAT_TIMEOUT_S", 30.0),
     # Seconds between heartbeats on the client/engine socket.
     "VT_HEARTBEAT_INTERVAL_S": lambda: _float("VT_HEARTBEAT_INTERVAL_S", 2.0),
-    # Seconds the engine core waits for its workers to load and report before giving up.
+    # Seconds each worker start-up phase (loading, profiling, KV allocation, graph capture) may take.
     "VT_WORKER_START_TIMEOUT_S": lambda: _float("VT_WORKER_START_TIMEOUT_S", 600.0),
+    # Seconds one step may take on the workers before the engine treats them as hung.
+    "VT_STEP_TIMEOUT_S": lambda: _float("VT_STEP_TIMEOUT_S", 300.0),
+    # Seconds of silence from a worker's heartbeat thread before it counts as frozen or dead.
+    "VT_WORKER_HEARTBEAT_TIMEOUT_S": lambda: _float("VT_WORKER_HEARTBEAT_TIMEOUT_S", 20.0),
     # Log line format of every vtllm process: text (default) or json (set by --log-format).
     "VT_LOG_FORMAT": lambda: _choice("VT_LOG_FORMAT", ("text", "json"), "text"),
     # Log level of every vtllm process (DEBUG, INFO, WARNING, ERROR).

@@ -39,22 +39,74 @@ EXIT_WORKER_DIED = 3
 
 
 class EngineCoreProc:
-    """The engine loop: drain the inbox, step, publish; exits on SIGTERM or worker death."""
+    """The engine loop: drain the inbox, step, publish.
 
-    def __init__(self, core: EngineCore, channel: ClientChannel, inbox: queue.Queue):
+    Stopping (SIGTERM/SIGINT, which systemd and Ctrl-C deliver to every process at once):
+    the first signal starts a drain — new requests are refused with an error that says
+    so, running and waiting ones go on until they finish or ``--shutdown-timeout``
+    passes, then the rest end with an error finish and the loop returns 0. A second
+    signal stops at once. Clients are told (``EngineDead``) before the loop returns, so
+    none waits for a heartbeat timeout. A lost worker returns ``EXIT_WORKER_DIED``.
+    """
+
+    def __init__(
+        self,
+        core: EngineCore,
+        channel: ClientChannel,
+        inbox: queue.Queue,
+        shutdown_timeout_s: float = 0.0,
+    ):
         self.core = core
         self.channel = channel
         self.inbox = inbox
+        self.shutdown_timeout_s = shutdown_timeout_s
         self._outbox = channel.ctx.socket(zmq.PUSH)
         self._outbox.setsockopt(zmq.SNDHWM, 0)
         self._outbox.connect(channel.outbox_address)
         self._stopping = False
+        self._draining_since: float | None = None
 
     def request_stop(self, *_: object) -> None:
-        self._stopping = True
+        """Signal handler: the first call starts the drain, the second stops now."""
+        if self._draining_since is None:
+            self._draining_since = time.monotonic()
+            logger.info(
+                "stopping: refusing new requests; %d unfinished requests may finish within "
+                "%gs (--shutdown-timeout); signal again to stop now",
+                self.core.scheduler.num_unfinished,
+                self.shutdown_timeout_s,
+            )
+        else:
+            self._stopping = True
+
+    def _drain_done(self) -> bool:
+        """While draining: True once nothing is left, or (after failing what is left)
+        once the shutdown timeout has passed."""
+        if self._draining_since is None:
+            return False
+        if not self.core.scheduler.num_unfinished:
+            return True
+        waited = time.monotonic() - self._draining_since
+        if waited < self.shutdown_timeout_s:
+            return False
+        reason = (
+            f"the engine core is stopping and this request did not finish within the "
+            f"shutdown timeout ({self.shutdown_timeout_s:g}s, --shutdown-timeout)"
+        )
+        logger.warning("shutdown timeout: ending %d requests", self.core.scheduler.num_unfinished)
+        self._publish(self.core.fail_all(reason), None)
+        return True
 
     def run(self) -> int:
-        while not self._stopping:
+        code = self._loop()
+        if code == 0:
+            self._publish(self.core.fail_all("the engine core stopped (signalled twice)"), None)
+            self._broadcast(m.EngineDead("the engine core stopped (SIGTERM/SIGINT)"))
+            time.sleep(0.2)  # let the I/O thread flush
+        return code
+
+    def _loop(self) -> int:
+        while not self._stopping and not self._drain_done():
             try:
                 item = self.inbox.get(timeout=0.0 if self.core.has_work() else 0.1)
                 self._handle(*item)
@@ -77,7 +129,17 @@ class EngineCoreProc:
         return 0
 
     def _handle(self, client_id: ClientId, message: object) -> None:
-        if isinstance(message, m.AddRequest):
+        if isinstance(message, m.AddRequest) and self._draining_since is not None:
+            refusal = m.RequestOutput(
+                request_id=message.request_id,
+                new_token_ids=[],
+                finish_reason=m.FinishReason.ERROR,
+                error="the engine core is shutting down and accepts no new requests; "
+                "send it to another server or retry after the restart",
+                num_prompt_tokens=len(message.prompt_token_ids),
+            )
+            self._publish([(client_id, refusal)], None)
+        elif isinstance(message, m.AddRequest):
             self._publish(self.core.add_request(client_id, message), None)
         elif isinstance(message, m.AbortRequests):
             self._publish(self.core.abort(message.request_ids, client_id), None)
@@ -211,7 +273,7 @@ def run_engine_core(
     channel = ClientChannel(ctx, client_address, ready, inbox, curve_keys)
     channel.start()
     channel.bound.wait(10)
-    proc = EngineCoreProc(core, channel, inbox)
+    proc = EngineCoreProc(core, channel, inbox, config.engine.shutdown_timeout)
     signal.signal(signal.SIGTERM, proc.request_stop)
     signal.signal(signal.SIGINT, proc.request_stop)
     if stop.is_set():

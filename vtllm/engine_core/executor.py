@@ -6,8 +6,19 @@ connect DEALERs with identity ``rank-N``).
 
 Start-up RPC: spawn → each rank sends ``WorkerReport`` → ``InitKVCache`` → ``WorkerReady``.
 Each step: ``SchedulerOutput`` to every rank → rank 0 answers ``ModelRunnerOutput``.
-A worker that dies or reports ``WorkerFailure`` raises ``WorkerDiedError`` within about a
-second, never a hang.
+
+Nothing here waits without a deadline; each way a worker can fail raises
+``WorkerDiedError`` with a message that says which:
+
+=========================================  ============================================
+the worker process exited, or sent          within about a second
+``WorkerFailure``
+its heartbeat thread fell silent (process   ``VT_WORKER_HEARTBEAT_TIMEOUT_S``
+frozen: SIGSTOP, a debugger, gone)
+it beats but a step does not finish         ``VT_STEP_TIMEOUT_S`` (a hung device/kernel)
+it beats but a start-up phase (loading,     ``VT_WORKER_START_TIMEOUT_S`` per phase,
+profiling, graph capture) does not end      naming the phase
+=========================================  ============================================
 """
 
 from __future__ import annotations
@@ -16,7 +27,9 @@ import contextlib
 import importlib
 import logging
 import multiprocessing
+import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -33,7 +46,38 @@ _POLL_MS = 200
 
 
 class WorkerDiedError(RuntimeError):
-    """A worker process exited or failed; the engine cannot go on."""
+    """A worker process exited, failed, froze or hung; the engine cannot go on."""
+
+
+@dataclass
+class WorkerLiveness:
+    """What the engine core last heard from one worker's heartbeat thread."""
+
+    last_beat: float | None = None  # monotonic; None until the first beat
+    phase: str = "starting the process"
+    phase_started: float = 0.0  # monotonic, estimated from the beat's phase_elapsed_s
+
+
+_PROCESS_STATES = {
+    "T": "stopped (SIGSTOP or job control)",
+    "t": "stopped by a debugger",
+    "D": "in uninterruptible sleep (waiting on a device or disk)",
+    "Z": "a zombie (exited, not yet reaped)",
+    "R": "running",
+    "S": "sleeping",
+}
+
+
+def process_state(pid: int | None) -> str:
+    """The kernel's view of a process (Linux ``/proc``), for error messages; "" elsewhere."""
+    if pid is None or not sys.platform.startswith("linux"):
+        return ""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return _PROCESS_STATES.get(state, f"in state {state}")
 
 
 def _entry(path: str) -> Any:
@@ -67,6 +111,9 @@ class MultiprocExecutor:
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._decoder = codec.worker_to_engine_decoder()
         self._identities = [f"rank-{r}".encode() for r in range(self.world_size)]
+        self.liveness = [WorkerLiveness() for _ in range(self.world_size)]
+        self._spawned_at = 0.0
+        self._next_liveness_check = 0.0
 
     # -- start-up --------------------------------------------------------------------
 
@@ -75,6 +122,7 @@ class MultiprocExecutor:
         self._socket.bind(self.worker_address)
         ctx = multiprocessing.get_context("spawn")
         config_bytes = self.config.to_bytes()
+        self._spawned_at = time.monotonic()
         for rank in range(self.world_size):
             process = ctx.Process(
                 target=_spawn_worker,
@@ -92,24 +140,23 @@ class MultiprocExecutor:
             )
             process.start()
             self.processes.append(process)
-        reports = self._gather(m.WorkerReport, envs.VT_WORKER_START_TIMEOUT_S, "load the model")
+        reports = self._gather(m.WorkerReport)
         return [reports[r] for r in range(self.world_size)]
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._broadcast(m.InitKVCache(num_blocks=num_blocks, block_size=block_size))
-        self._gather(m.WorkerReady, envs.VT_WORKER_START_TIMEOUT_S, "allocate the KV cache")
+        self._gather(m.WorkerReady)
+        now = time.monotonic()
+        for live in self.liveness:  # from now on silence counts, even if none beat yet
+            if live.last_beat is None:
+                live.last_beat = now
 
-    def _gather(self, kind: type, timeout_s: float, what: str) -> dict[int, Any]:
-        """Wait for one ``kind`` message from every rank."""
+    def _gather(self, kind: type) -> dict[int, Any]:
+        """Wait for one ``kind`` message from every rank, each start-up phase of each
+        rank bounded by ``VT_WORKER_START_TIMEOUT_S`` (see ``_check_start_phases``)."""
         got: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
         while len(got) < self.world_size:
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.world_size)) - set(got))
-                raise WorkerDiedError(
-                    f"workers {missing} did not {what} within {timeout_s:.0f}s "
-                    "(raise VT_WORKER_START_TIMEOUT_S if the model is just slow to load)"
-                )
+            self._check_start_phases([r for r in range(self.world_size) if r not in got])
             message = self._recv()
             if message is None:
                 continue
@@ -118,11 +165,39 @@ class MultiprocExecutor:
             got[message.rank] = message
         return got
 
+    def _check_start_phases(self, pending_ranks: list[int]) -> None:
+        """Raise if a pending rank has spent longer than the bound in one start-up phase
+        (or, before its first heartbeat, since it was spawned)."""
+        limit = envs.VT_WORKER_START_TIMEOUT_S
+        now = time.monotonic()
+        for rank in pending_ranks:
+            live = self.liveness[rank]
+            since = self._spawned_at if live.last_beat is None else live.phase_started
+            if now - since > limit:
+                raise WorkerDiedError(
+                    f"worker rank {rank} spent more than {limit:.0f}s {live.phase} "
+                    f"(start-up phase limit VT_WORKER_START_TIMEOUT_S={limit:g}s; raise it "
+                    "if this model is just slow to load, profile or capture)"
+                )
+
     # -- steps -----------------------------------------------------------------------
 
     def execute(self, step: m.SchedulerOutput) -> m.ModelRunnerOutput:
+        """Run one step; raises ``WorkerDiedError`` if it has not finished within
+        ``VT_STEP_TIMEOUT_S`` or a worker dies or freezes meanwhile."""
+        timeout_s = envs.VT_STEP_TIMEOUT_S
+        started = time.monotonic()
         self._broadcast(step)
         while True:
+            elapsed = time.monotonic() - started
+            if elapsed > timeout_s:
+                raise WorkerDiedError(
+                    f"step {step.step_id} ({sum(step.num_scheduled_tokens.values())} tokens) "
+                    f"did not finish within VT_STEP_TIMEOUT_S={timeout_s:g}s although the "
+                    f"workers are alive ({self.describe_liveness()}): the device or a "
+                    "kernel is hung. Raise VT_STEP_TIMEOUT_S if steps are legitimately "
+                    "this slow"
+                )
             message = self._recv()
             if message is None:
                 continue
@@ -139,12 +214,17 @@ class MultiprocExecutor:
                 raise WorkerDiedError(f"cannot reach worker {identity.decode()}: {e}") from None
 
     def _recv(self) -> Any:
-        """One decoded worker message, or None after a poll interval with nothing.
+        """One decoded worker message, or None after a poll interval with nothing (or
+        after a heartbeat, which it records).
 
-        Raises ``WorkerDiedError`` if a worker failed or its process is gone.
+        Raises ``WorkerDiedError`` if a worker failed, its process is gone, or its
+        heartbeat fell silent.
         """
-        if not self._socket.poll(_POLL_MS):
+        now = time.monotonic()
+        if now >= self._next_liveness_check:
+            self._next_liveness_check = now + _POLL_MS / 1000
             self.check_alive()
+        if not self._socket.poll(_POLL_MS):
             return None
         frames = self._socket.recv_multipart()
         if len(frames) != 2:
@@ -157,14 +237,55 @@ class MultiprocExecutor:
             return None
         if isinstance(message, m.WorkerFailure):
             raise WorkerDiedError(f"worker rank {message.rank} failed: {message.message}")
+        if isinstance(message, m.WorkerHeartbeat):
+            self._on_heartbeat(message)
+            return None
         return message
 
+    def _on_heartbeat(self, beat: m.WorkerHeartbeat) -> None:
+        if not 0 <= beat.rank < self.world_size:
+            logger.warning("dropping a heartbeat from unknown worker rank %d", beat.rank)
+            return
+        live = self.liveness[beat.rank]
+        now = time.monotonic()
+        live.last_beat = now
+        if beat.phase != live.phase or live.phase_started == 0.0:
+            live.phase = beat.phase
+            live.phase_started = now - max(0.0, beat.phase_elapsed_s)
+
     def check_alive(self) -> None:
+        """Raise ``WorkerDiedError`` if a worker process exited or its heartbeat has been
+        silent for longer than ``VT_WORKER_HEARTBEAT_TIMEOUT_S``."""
+        silence_limit = envs.VT_WORKER_HEARTBEAT_TIMEOUT_S
+        now = time.monotonic()
         for rank, process in enumerate(self.processes):
             if not process.is_alive():
                 raise WorkerDiedError(
                     f"worker rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
                 )
+            last_beat = self.liveness[rank].last_beat
+            if last_beat is not None and now - last_beat > silence_limit:
+                state = process_state(process.pid)
+                raise WorkerDiedError(
+                    f"worker rank {rank} (pid {process.pid}) sent no heartbeat for "
+                    f"{now - last_beat:.1f}s (VT_WORKER_HEARTBEAT_TIMEOUT_S={silence_limit:g}s)"
+                    + (f"; the process is {state}" if state else "")
+                    + f"; it was {self.liveness[rank].phase}"
+                )
+
+    def describe_liveness(self) -> str:
+        """One line per rank of what its heartbeats say, for logs and errors."""
+        now = time.monotonic()
+        parts = []
+        for rank, live in enumerate(self.liveness):
+            if live.last_beat is None:
+                parts.append(f"rank {rank}: no heartbeat yet")
+            else:
+                parts.append(
+                    f"rank {rank}: {live.phase} for {now - live.phase_started:.0f}s, "
+                    f"last heartbeat {now - live.last_beat:.1f}s ago"
+                )
+        return "; ".join(parts)
 
     # -- shutdown --------------------------------------------------------------------
 

@@ -7,10 +7,11 @@ tag, so a peer can tell kinds apart and reject the unknown):
   client → engine: ``Hello``, ``AddRequest``, ``AbortRequests``, ``UtilityRequest``,
   ``Heartbeat``, ``Goodbye``;
   engine → client: ``Ready``, ``HandshakeRefused``, ``EngineOutputs``, ``UtilityResponse``,
-  ``Heartbeat``, ``EngineDead``.
+  ``Heartbeat``, ``EngineDead``, ``SessionUnknown``.
 * engine core ⇄ workers (ZMQ ROUTER ⇄ DEALER, identity ``rank-N``):
   worker → engine: ``WorkerReport`` (start-up: model facts and usable KV bytes),
-  ``WorkerReady``, ``ModelRunnerOutput`` (rank 0 only), ``WorkerFailure``;
+  ``WorkerReady``, ``ModelRunnerOutput`` (rank 0 only), ``WorkerFailure``,
+  ``WorkerHeartbeat`` (from a thread of each worker, on a socket of its own);
   engine → worker: ``InitKVCache``, ``SchedulerOutput``, ``Shutdown``.
 
 Wire compatibility: new fields are appended at the end with a default, so an older peer's
@@ -94,8 +95,13 @@ class SchedulerStats(_Part):
 
 
 class Hello(_Message, tag="hello"):
+    """Opens a session. ``session_id`` (new for each session a client opens) makes a
+    repeated Hello idempotent: the same id gets the same session back; a new id from a
+    known client ends its old session first (the engine aborts that session's requests)."""
+
     protocol_version: int
     client_name: str
+    session_id: str = ""
 
 
 class Ready(_Message, tag="ready"):
@@ -180,8 +186,24 @@ class EngineDead(_Message, tag="dead"):
     reason: str
 
 
+class SessionUnknown(_Message, tag="no_session"):
+    """The engine core's answer to any message (but ``Hello`` and ``Goodbye``) from a client
+    it has no session with: it was dropped after falling silent, or the engine restarted.
+    Its requests are gone (aborted); the client must say ``Hello`` again."""
+
+    reason: str
+
+
 ClientToEngine = Hello | AddRequest | AbortRequests | UtilityRequest | Heartbeat | Goodbye
-EngineToClient = Ready | HandshakeRefused | EngineOutputs | UtilityResponse | Heartbeat | EngineDead
+EngineToClient = (
+    Ready
+    | HandshakeRefused
+    | EngineOutputs
+    | UtilityResponse
+    | Heartbeat
+    | EngineDead
+    | SessionUnknown
+)
 
 
 # ---------------------------------------------------------------------------------------
@@ -270,9 +292,19 @@ class WorkerFailure(_Message, tag="worker_failure"):
     message: str
 
 
+class WorkerHeartbeat(_Message, tag="worker_beat"):
+    """Sent about once a second by a thread of each worker (its own socket), whatever
+    the main thread is doing: silence means the process is frozen or gone, not busy.
+    ``phase`` names what the main thread is doing (start-up phase or "serving")."""
+
+    rank: int
+    phase: str
+    phase_elapsed_s: float = 0.0
+
+
 class Shutdown(_Message, tag="shutdown"):
     pass
 
 
-WorkerToEngine = WorkerReport | WorkerReady | ModelRunnerOutput | WorkerFailure
+WorkerToEngine = WorkerReport | WorkerReady | ModelRunnerOutput | WorkerFailure | WorkerHeartbeat
 EngineToWorker = InitKVCache | SchedulerOutput | Shutdown

@@ -33,6 +33,7 @@ from vtllm.protocol import codec
 from vtllm.protocol import messages as m
 from vtllm.worker.decode_graphs import capture_sizes
 from vtllm.worker.distributed import destroy_distributed, init_distributed
+from vtllm.worker.heartbeat import HeartbeatSender
 from vtllm.worker.loader.hf_config import load_hf_config, model_facts
 from vtllm.worker.model_runner import ModelRunner
 from vtllm.worker.platform import Platform, detect_platform
@@ -61,16 +62,19 @@ def run_worker(
     socket.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
     socket.setsockopt(zmq.LINGER, 2000)
     socket.connect(engine_address)
+    heartbeat = HeartbeatSender(engine_address, rank)
+    heartbeat.start()
     exit_code = 0
     try:
         config = VtllmConfig.from_bytes(config_bytes)
-        _serve(config, model_dir, rank, world_size, socket, dist_init_address)
+        _serve(config, model_dir, rank, world_size, socket, dist_init_address, heartbeat)
     except Exception as e:
         logger.exception("worker rank %d failed", rank)
         message = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
         socket.send(codec.encode(m.WorkerFailure(rank=rank, message=message)))
         exit_code = 1
     finally:
+        heartbeat.stop()
         socket.close()
         context.term()
         destroy_distributed()
@@ -84,7 +88,9 @@ def _serve(
     world_size: int,
     socket: zmq.Socket,
     dist_init_address: str,
+    heartbeat: HeartbeatSender,
 ) -> None:
+    heartbeat.phase = "loading the model"
     platform = detect_platform(rank)
     platform.set_device()
     if not platform.is_gpu:
@@ -103,16 +109,20 @@ def _serve(
     name = config.model.default_served_name(model_dir)
     facts = model_facts(model_dir, hf_config, name, attn.num_kv_heads, attn.head_dim, dtype)
     use_graphs = _use_graphs(config, platform, runner)
+    heartbeat.phase = "profiling memory"
     usable = _usable_kv_bytes(config, platform, runner, facts.max_position_embeddings, use_graphs)
     socket.send(codec.encode(m.WorkerReport(rank=rank, facts=facts, usable_kv_bytes=usable)))
 
     decoder = codec.engine_to_worker_decoder()
+    heartbeat.phase = "waiting for the KV cache size"
     init = _receive(socket, decoder, (m.InitKVCache, m.Shutdown))
     if isinstance(init, m.Shutdown):
         return
+    heartbeat.phase = "allocating the KV cache and warming up"
     runner.init_kv_cache(init.num_blocks, init.block_size)
     runner.dummy_run(min(init.block_size, init.num_blocks * init.block_size))
     if use_graphs:
+        heartbeat.phase = "capturing decode graphs"
         max_len = _graph_max_len(config, facts.max_position_embeddings, init)
         sizes = capture_sizes(config.scheduler.max_num_seqs)
         used = _capture_graphs(runner, platform, max_len, sizes)
@@ -124,6 +134,7 @@ def _serve(
             max_len,
             used / 2**20,
         )
+    heartbeat.phase = "serving"
     socket.send(codec.encode(m.WorkerReady(rank=rank)))
     logger.info("ready: %d KV blocks of %d tokens", init.num_blocks, init.block_size)
 

@@ -1,0 +1,88 @@
+"""The executor never waits without a deadline: real worker processes (no model, see
+``fake_workers``) that hang, freeze or stall a start-up phase each raise
+``WorkerDiedError`` within their bound, with a message that says which failure it was."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from vtllm.config import VtllmConfig
+from vtllm.engine_core.executor import MultiprocExecutor, WorkerDiedError, process_state
+from vtllm.protocol import messages as m
+from vtllm.protocol import transport
+
+ENTRY = "tests.engine_core.fake_workers:run_fake_worker"
+STEP = m.SchedulerOutput(step_id=1, new_requests=[], cached_requests=[], num_scheduled_tokens={})
+
+
+@pytest.fixture
+def make_executor(tmp_path):
+    executors: list[MultiprocExecutor] = []
+
+    def make(scenario: str) -> MultiprocExecutor:
+        executor = MultiprocExecutor(
+            VtllmConfig(),
+            scenario,
+            transport.ipc_address(tmp_path, f"workers-{len(executors)}.sock"),
+            "tcp://127.0.0.1:1",
+            worker_entry=ENTRY,
+        )
+        executors.append(executor)
+        return executor
+
+    yield make
+    for executor in executors:
+        executor.shutdown(timeout_s=0.5)
+
+
+def test_a_healthy_worker_serves_steps_and_reports_its_phase(make_executor):
+    executor = make_executor("serve")
+    executor.start()
+    executor.init_kv_cache(4, 16)
+    assert executor.execute(STEP).step_id == 1
+    time.sleep(0.5)
+    executor.execute(STEP)
+    assert "rank 0: serving for" in executor.describe_liveness()
+
+
+def test_a_start_up_phase_past_its_bound_names_the_phase(make_executor, monkeypatch):
+    monkeypatch.setenv("VT_WORKER_START_TIMEOUT_S", "1.5")
+    executor = make_executor("stuck-loading")
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="spent more than 2s loading the model"):
+        executor.start()
+    assert time.monotonic() - started < 10
+
+
+def test_a_step_past_the_deadline_is_a_hung_device(make_executor, monkeypatch):
+    monkeypatch.setenv("VT_STEP_TIMEOUT_S", "1.5")
+    executor = make_executor("hang-step")
+    executor.start()
+    executor.init_kv_cache(4, 16)
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="did not finish within VT_STEP_TIMEOUT_S=1.5s") as e:
+        executor.execute(STEP)
+    assert 1.5 <= time.monotonic() - started < 5
+    assert "workers are alive" in str(e.value) and "rank 0: serving" in str(e.value)
+
+
+def test_a_frozen_worker_is_told_apart_from_a_slow_step(make_executor, monkeypatch):
+    monkeypatch.setenv("VT_WORKER_HEARTBEAT_TIMEOUT_S", "1.5")
+    monkeypatch.setenv("VT_STEP_TIMEOUT_S", "60")
+    executor = make_executor("freeze-on-step")
+    executor.start()
+    executor.init_kv_cache(4, 16)
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="sent no heartbeat for") as e:
+        executor.execute(STEP)
+    assert time.monotonic() - started < 5
+    assert "stopped (SIGSTOP" in str(e.value) and "it was serving" in str(e.value)
+
+
+def test_process_state_reads_proc():
+    import os
+
+    assert process_state(os.getpid()) == "running"
+    assert process_state(None) == ""
