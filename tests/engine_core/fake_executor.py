@@ -33,6 +33,10 @@ class FakeExecutor:
     kv_slots: dict[int, tuple[int, ...]] = field(default_factory=dict)
     steps: list[m.SchedulerOutput] = field(default_factory=list)
     forced_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # requests whose next due token is silently dropped (a faulty worker)
+    dropped_tokens: set[str] = field(default_factory=set)
+    # request id → the error a worker reports for it in its next scheduled step
+    errors: dict[str, str] = field(default_factory=dict)
 
     def execute(self, step: m.SchedulerOutput) -> m.ModelRunnerOutput:
         self.steps.append(step)
@@ -48,8 +52,11 @@ class FakeExecutor:
             state.token_ids.extend(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
             assert state.num_computed_tokens == cached.num_computed_tokens, cached
-        request_ids, sampled = [], []
+        request_ids, sampled, errors = [], [], {}
         for request_id, num_tokens in step.num_scheduled_tokens.items():
+            if request_id in self.errors:
+                errors[request_id] = self.errors.pop(request_id)
+                continue
             state = self.states[request_id]
             start = state.num_computed_tokens
             end = start + num_tokens
@@ -73,10 +80,13 @@ class FakeExecutor:
                 self.kv_slots[slot] = tuple(state.token_ids[: pos + 1])
             state.num_computed_tokens = end
             if end == len(state.token_ids):
+                if request_id in self.dropped_tokens:
+                    self.dropped_tokens.discard(request_id)
+                    continue
                 forced = self.forced_tokens.get(request_id)
                 token = forced.pop(0) if forced else next_token(state.token_ids, self.vocab_size)
                 request_ids.append(request_id)
                 sampled.append(token)
         return m.ModelRunnerOutput(
-            step_id=step.step_id, request_ids=request_ids, sampled_token_ids=sampled
+            step_id=step.step_id, request_ids=request_ids, sampled_token_ids=sampled, errors=errors
         )

@@ -25,6 +25,7 @@ def make_core(
     policy: str = "fcfs",
     caching: bool = True,
     reserve_full_sequence: bool = False,
+    long_prefill_token_threshold: int | None = None,  # None: the config's default
 ) -> tuple[EngineCore, FakeExecutor]:
     config = VtllmConfig()
     config.cache.block_size = block_size
@@ -33,6 +34,8 @@ def make_core(
     config.scheduler.max_num_seqs = max_num_seqs
     config.scheduler.scheduling_policy = policy
     config.scheduler.reserve_full_sequence = reserve_full_sequence
+    if long_prefill_token_threshold is not None:
+        config.scheduler.long_prefill_token_threshold = long_prefill_token_threshold
     facts = EngineFacts("test", max_model_len, VOCAB, num_blocks, block_size, (EOS,))
     executor = FakeExecutor(vocab_size=VOCAB, block_size=block_size)
     return EngineCore(config, facts, executor), executor

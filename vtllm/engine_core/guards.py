@@ -48,7 +48,8 @@ def check_kv_cache_fits(
     """Size the pool from the workers' report and fit ``max_model_len`` to it.
 
     Pinned and too large: raise ``KVCacheTooSmallError`` with the numbers and the flags
-    that would help. Unpinned: the model's own limit, lowered to what fits (logged).
+    that would help. Unpinned: the model's own limit, lowered to what fits (logged). Not
+    even one block beside the reserved one: raise, pinned or not.
     """
     bytes_per_block = kv_bytes_per_token * block_size
     num_blocks = usable_kv_bytes // bytes_per_block
@@ -65,16 +66,17 @@ def check_kv_cache_fits(
         f"tokens, incl. 1 reserved), but only {available_gib:.3f} GiB ({num_blocks} blocks) "
         f"is available; the largest max_model_len that fits is {fits}"
     )
+    if fits < block_size:  # pinned or not: no max_model_len would help
+        raise KVCacheTooSmallError(
+            f"the KV cache holds only {num_blocks} blocks ({available_gib:.3f} GiB; a block "
+            f"of {block_size} tokens takes {bytes_per_block / 1024**2:.3f} MiB, and 1 block "
+            f"is reserved), not one usable block; give it more memory ({memory_flag})."
+        )
     if pinned_max_model_len is not None:
         raise KVCacheTooSmallError(
             f"--max-model-len {pinned_max_model_len} {numbers}. Lower --max-model-len to "
             f"{fits} or less, or give the KV cache more memory ({memory_flag}, a smaller "
             "--dtype, or more --tensor-parallel-size)."
-        )
-    if fits < block_size:
-        raise KVCacheTooSmallError(
-            f"the KV cache holds only {num_blocks} blocks ({available_gib:.3f} GiB), not "
-            f"one usable sequence; give it more memory ({memory_flag})."
         )
     logger.warning(
         "max_model_len auto-fitted from %d to %d (%s; raise %s to keep %d)",
