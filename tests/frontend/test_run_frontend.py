@@ -17,9 +17,12 @@ import pytest
 from tests.frontend.fake_engine import FakeEngine
 from vtllm.config import VtllmConfig
 
+# The fake engine stands for a local engine core (an engine_alive probe is given): its
+# death is final. Without a probe (a remote engine) see tests/frontend/test_remote_engine.py.
 _RUN = (
     "import sys; from vtllm.config import VtllmConfig; from vtllm.frontend.app import run_frontend;"
-    "sys.exit(run_frontend(VtllmConfig.from_bytes(sys.argv[1].encode()), sys.argv[2], sys.argv[3]))"
+    "sys.exit(run_frontend(VtllmConfig.from_bytes(sys.argv[1].encode()), sys.argv[2], sys.argv[3],"
+    " engine_alive=lambda: True))"
 )
 
 

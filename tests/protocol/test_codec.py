@@ -12,6 +12,7 @@ PARAMS = m.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=7, max_toke
 
 CLIENT_TO_ENGINE = [
     m.Hello(protocol_version=m.PROTOCOL_VERSION, client_name="test"),
+    m.Hello(m.PROTOCOL_VERSION, "test", session_id="s-1"),
     m.AddRequest("r1", [1, 2, 3], PARAMS, arrival_time=1.5, priority=2, cache_salt="s"),
     m.AbortRequests(["r1", "r2"]),
     m.UtilityRequest(3, "get_stats", [msgspec.Raw(codec.encode_value([1, "a"]))]),
@@ -38,12 +39,14 @@ ENGINE_TO_CLIENT = [
     m.UtilityResponse(4, False, error="refused"),
     m.Heartbeat(1.0),
     m.EngineDead("worker died"),
+    m.SessionUnknown("engine restarted"),
 ]
 WORKER_TO_ENGINE = [
     m.WorkerReport(0, m.ModelFacts("smol", 49152, 8192, [2], 30, 46080), 1 << 30),
     m.WorkerReady(1),
     m.ModelRunnerOutput(4, ["a", "b"], [7, 8], logprobs=[-0.1, -0.2], errors={"c": "nan"}),
     m.WorkerFailure(0, "CUDA error"),
+    m.WorkerHeartbeat(1, "capturing decode graphs", 2.5),
 ]
 ENGINE_TO_WORKER = [
     m.InitKVCache(100, 16),
@@ -115,6 +118,23 @@ def test_golden_bytes_of_engine_outputs():
         # [tag, [RequestOutput: 11 fields], stats nil, timestamp]
         "94a76f757470757473919ba161910701c0c00000c0c0c0c0c0cb0000000000000000"
     )
+
+
+def test_golden_bytes_of_session_unknown():
+    # [tag "no_session", reason]
+    assert codec.encode(m.SessionUnknown("gone")).hex() == "92aa6e6f5f73657373696f6ea4676f6e65"
+    decoded = codec.engine_to_client_decoder().decode(
+        bytes.fromhex("92aa6e6f5f73657373696f6ea4676f6e65")
+    )
+    assert decoded == m.SessionUnknown("gone")
+
+
+def test_golden_bytes_of_hello_and_an_older_client_hello():
+    # [tag "hello", version 1, "c", session id "s"]
+    assert codec.encode(m.Hello(1, "c", "s")).hex() == "94a568656c6c6f01a163a173"
+    # a client from before session ids sends three elements; it still decodes
+    older = codec.client_to_engine_decoder().decode(bytes.fromhex("93a568656c6c6f01a163"))
+    assert older == m.Hello(1, "c") and older.session_id == ""
 
 
 @pytest.mark.parametrize(

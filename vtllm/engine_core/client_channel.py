@@ -4,6 +4,13 @@ The thread answers handshakes and heartbeats, decodes client messages into the e
 loop's inbox, and sends what the loop pushes to it over an inproc PULL socket. It keeps
 answering while the loop sits inside a long model execution, so clients never mistake a
 long prefill for a dead engine.
+
+Sessions: a client's ``Hello`` opens one (``Ready``); ``Goodbye`` or silence past
+``VT_HEARTBEAT_TIMEOUT_S`` ends it (the loop aborts its requests). A message from a client
+without a session is never dropped in silence: the client gets ``SessionUnknown`` with the
+reason (it fell silent and was dropped, or this engine core restarted) and says Hello again.
+A ``Hello`` with a new ``session_id`` from a client that still has a session ends the old
+one first; the same ``session_id`` again just gets ``Ready`` again.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import zmq
@@ -23,6 +31,8 @@ from vtllm.protocol import codec, transport
 from vtllm.protocol import messages as m
 
 logger = logging.getLogger(__name__)
+
+_MAX_DROPPED_REMEMBERED = 1024  # clients whose drop reason is kept for SessionUnknown
 
 
 @dataclass
@@ -52,6 +62,10 @@ class ClientChannel(threading.Thread):
         self._outbox.bind(self.outbox_address)  # bound before the loop's PUSH connects
         self._stop_event = threading.Event()
         self.clients: dict[ClientId, float] = {}  # identity → last heard (monotonic)
+        self._session_ids: dict[ClientId, str] = {}
+        # why recent clients lost their session (answered with SessionUnknown), bounded
+        self._dropped: OrderedDict[ClientId, str] = OrderedDict()
+        self._told: OrderedDict[ClientId, None] = OrderedDict()  # warned about, bounded
         self.bound = threading.Event()
 
     def run(self) -> None:
@@ -91,12 +105,16 @@ class ClientChannel(threading.Thread):
                     for identity, last in list(self.clients.items()):
                         if now - last > timeout:
                             logger.warning(
-                                "client %s silent for %.0fs; treating it as gone",
+                                "client %s silent for %.1fs; treating it as gone",
                                 identity.hex(),
                                 now - last,
                             )
-                            del self.clients[identity]
-                            self.inbox.put((identity, ClientGone()))
+                            self._end_session(
+                                identity,
+                                f"this client was silent for {now - last:.1f}s "
+                                f"(VT_HEARTBEAT_TIMEOUT_S={timeout:g}s) and was dropped; "
+                                "the engine aborted its requests",
+                            )
                         else:
                             self._send(router, identity, beat)
         finally:
@@ -131,23 +149,54 @@ class ClientChannel(threading.Thread):
                 logger.warning("refused client %r: %s", message.client_name, reason)
                 self._send(router, identity, codec.encode(m.HandshakeRefused(reason)))
                 return
-            logger.info("client %r connected", message.client_name)
-            self.clients[identity] = time.monotonic()
-            self._send(router, identity, codec.encode(self.ready))
+            self._open_session(router, identity, message)
             return
         if identity not in self.clients:
-            logger.warning(
-                "dropping %s from a client that has not said Hello", type(message).__name__
-            )
+            if not isinstance(message, m.Goodbye):
+                self._send(
+                    router, identity, codec.encode(m.SessionUnknown(self._unknown(identity)))
+                )
             return
         self.clients[identity] = time.monotonic()
         if isinstance(message, m.Heartbeat):
             return
         if isinstance(message, m.Goodbye):
-            del self.clients[identity]
-            self.inbox.put((identity, ClientGone()))
+            self._end_session(identity, "this client said goodbye")
             return
         self.inbox.put((identity, message))
+
+    def _open_session(self, router: zmq.Socket, identity: ClientId, hello: m.Hello) -> None:
+        same = hello.session_id and self._session_ids.get(identity) == hello.session_id
+        if identity in self.clients and not same:
+            # the client lost its old session (it failed those requests): end it here too
+            self._end_session(identity, "this client opened a new session")
+        if not same:
+            logger.info("client %r connected", hello.client_name)
+        self.clients[identity] = time.monotonic()
+        self._session_ids[identity] = hello.session_id
+        self._dropped.pop(identity, None)
+        self._told.pop(identity, None)
+        self._send(router, identity, codec.encode(self.ready))
+
+    def _end_session(self, identity: ClientId, reason: str) -> None:
+        """Forget the client; the loop aborts every request it still owns."""
+        del self.clients[identity]
+        self._session_ids.pop(identity, None)
+        self._dropped[identity] = reason
+        while len(self._dropped) > _MAX_DROPPED_REMEMBERED:
+            self._dropped.popitem(last=False)
+        self.inbox.put((identity, ClientGone()))
+
+    def _unknown(self, identity: ClientId) -> str:
+        reason = self._dropped.get(identity)
+        if reason is None:  # never seen: e.g. this engine core started after the client's Hello
+            reason = "it never said hello to this engine core (did the engine core restart?)"
+        if identity not in self._told:  # once per client, not once per message
+            logger.warning("client %s has no session: %s; telling it", identity.hex(), reason)
+            self._told[identity] = None
+            while len(self._told) > _MAX_DROPPED_REMEMBERED:
+                self._told.popitem(last=False)
+        return f"{reason}; say hello again (engine {self.ready.engine_id or '?'})"
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -266,6 +266,8 @@ async def _serve(
             engine_alive=engine_alive,
             on_dead=on_dead,
             curve_keys=transport.CurveKeys.load(key_file) if key_file else None,
+            # a remote engine core (no probe) may come back: 503 meanwhile, then reconnect
+            reconnect=engine_alive is None,
         )
     except HandshakeError as e:
         logger.error("%s", e)

@@ -1,11 +1,17 @@
-"""asyncio client of the engine core: one ZMQ DEALER, one background loop.
+"""asyncio client of the engine core.
 
-The loop reads every message from the engine core (``EngineOutputs`` routed by request
-id into per-request queues, ``UtilityResponse`` into futures, ``Heartbeat``/``EngineDead``),
-sends a ``Heartbeat`` every ``VT_HEARTBEAT_INTERVAL_S`` and declares the engine dead after
-``VT_HEARTBEAT_TIMEOUT_S`` of silence, on ``EngineDead``, or when the optional
-``engine_alive`` probe says so. On death every in-flight request ends with
-``EngineDeadError`` and ``on_dead(reason)`` fires once.
+The socket belongs to a ``session.SessionThread``: it handshakes, heartbeats every
+``VT_HEARTBEAT_INTERVAL_S`` and watches the engine's liveness (``VT_HEARTBEAT_TIMEOUT_S``
+of silence, ``EngineDead``, the optional ``engine_alive`` probe) whatever this event loop is
+doing, so a loop blocked for a minute keeps its session. Its events reach the loop through
+``call_soon_threadsafe``: ``EngineOutputs`` are routed by request id into per-request
+queues, ``UtilityResponse`` into futures.
+
+When a session is lost, every in-flight request ends with ``EngineDeadError`` (the engine
+no longer has it). Then either the engine is dead for good (``on_dead(reason)`` fires once)
+or, with ``reconnect`` or after ``SessionUnknown``, the client says Hello again and serves
+new requests once the engine answers; meanwhile ``is_alive`` is False and ``dead_reason``
+says why.
 
 Framing: the client sends one frame per message; of a received multipart message only the
 last frame is decoded (so an engine core that adds an empty delimiter frame also works).
@@ -22,17 +28,23 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from vtllm import envs
 from vtllm.protocol import codec, transport
 from vtllm.protocol import messages as m
-from vtllm.protocol.client import EngineDeadError, HandshakeError
+from vtllm.protocol.session import (
+    EngineDeadError,
+    Event,
+    HandshakeError,
+    HandshakeFailed,
+    SessionLost,
+    SessionThread,
+    SessionUp,
+)
+
+__all__ = ["EngineClient", "EngineDeadError", "HandshakeError", "RequestObserver", "UtilityError"]
 
 logger = logging.getLogger(__name__)
-
-_POLL_S = 0.5  # how often the loop checks the probe and the silence timeout
 
 
 class UtilityError(RuntimeError):
@@ -69,20 +81,20 @@ class EngineClient:
     ``close``. All methods run on one event loop."""
 
     def __init__(self) -> None:
-        self.ready: m.Ready | None = None
+        self.ready: m.Ready | None = None  # the engine's answer to the latest handshake
         self.latest_stats: m.SchedulerStats | None = None
+        # why the engine is not available now (None while serving)
         self.dead_reason: str | None = None
-        self._ctx: zmq.asyncio.Context | None = None
-        self._socket: zmq.asyncio.Socket | None = None
-        self._decoder = codec.engine_to_client_decoder()
+        self._session: SessionThread | None = None
+        self._epoch = 0
+        self._handshake: asyncio.Future[m.Ready] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[m.RequestOutput | _Dead]] = {}
         self._utility_calls: dict[int, asyncio.Future[m.UtilityResponse]] = {}
         self._call_ids = itertools.count(1)
-        self._loop_task: asyncio.Task[None] | None = None
         self._side_tasks: set[asyncio.Task[Any]] = set()
-        self._engine_alive: Callable[[], bool] | None = None
         self._on_dead: Callable[[str], Any] | None = None
-        self._last_heard = 0.0
+        self._final = False
         self._closed = False
         self._observers: list[RequestObserver] = []
         self._finish_reasons: dict[str, str] = {}  # set by consumers that end a request
@@ -108,47 +120,42 @@ class EngineClient:
         on_dead: Callable[[str], Any] | None = None,
         timeout_s: float | None = None,
         curve_keys: transport.CurveKeys | None = None,
+        reconnect: bool = False,
     ) -> m.Ready:
         """Connect and handshake. Returns the engine's ``Ready``; raises HandshakeError on
         refusal, on a timeout (default: worker start timeout + heartbeat timeout), or when
         ``engine_alive`` turns false while waiting. ``curve_keys``: the engine's key file
-        when it listens on a CurveZMQ-secured tcp:// address."""
+        when it listens on a CurveZMQ-secured tcp:// address.
+
+        ``reconnect``: losing the engine (silence, ``EngineDead``) is not final: in-flight
+        requests fail, and the client handshakes again when an engine core answers at
+        ``address`` (a remote engine restarted). Without it such a loss is final and
+        ``on_dead(reason)`` fires (a local engine core: its supervisor restarts everything).
+        Set it only without an ``engine_alive`` probe, whose ``False`` is always final."""
         if timeout_s is None:
             timeout_s = envs.VT_WORKER_START_TIMEOUT_S + envs.VT_HEARTBEAT_TIMEOUT_S
-        self._engine_alive, self._on_dead = engine_alive, on_dead
-        self._ctx = zmq.asyncio.Context()
-        self._socket = transport.configure(self._ctx.socket(zmq.DEALER))
-        self._socket.setsockopt(zmq.LINGER, 200)  # long enough for Goodbye to leave
-        transport.secure_client(self._socket, curve_keys)
-        self._socket.connect(address)
-        await self._send(m.Hello(protocol_version=m.PROTOCOL_VERSION, client_name=client_name))
-        deadline = time.monotonic() + timeout_s
-        while self.ready is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                await self._close_socket()
-                raise HandshakeError(
-                    f"engine core at {address} did not answer the handshake within {timeout_s:.0f}s"
-                )
-            if engine_alive is not None and not engine_alive():
-                await self._close_socket()
-                raise HandshakeError("engine core process exited before it became ready")
-            message = await self._recv(min(_POLL_S, remaining))
-            if isinstance(message, m.Ready):
-                if message.protocol_version != m.PROTOCOL_VERSION:
-                    await self._close_socket()
-                    raise HandshakeError(
-                        f"engine core speaks protocol {message.protocol_version}, this "
-                        f"frontend speaks {m.PROTOCOL_VERSION}; run matching vtllm versions"
-                    )
-                self.ready = message
-            elif isinstance(message, (m.HandshakeRefused, m.EngineDead)):
-                await self._close_socket()
-                raise HandshakeError(f"engine core refused the connection: {message.reason}")
-            elif message is not None:
-                logger.debug("ignoring %s before Ready", type(message).__name__)
-        self._last_heard = time.monotonic()
-        self._loop_task = asyncio.create_task(self._run_loop(), name="vtllm-engine-client")
+        self._on_dead = on_dead
+        self._loop = asyncio.get_running_loop()
+        self._handshake = self._loop.create_future()
+        self._session = SessionThread(
+            address,
+            client_name,
+            self._emit_threadsafe,
+            curve_keys=curve_keys,
+            engine_alive=engine_alive,
+            reconnect=reconnect,
+        )
+        self._session.start()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._handshake), timeout_s)
+        except (TimeoutError, HandshakeError) as e:
+            await self._stop_session()
+            if isinstance(e, HandshakeError):
+                raise
+            raise HandshakeError(
+                f"engine core at {address} did not answer the handshake within {timeout_s:.0f}s"
+            ) from None
+        assert self.ready is not None
         return self.ready
 
     async def close(self) -> None:
@@ -156,20 +163,15 @@ class EngineClient:
         if self._closed:
             return
         if self.is_alive:
-            with contextlib.suppress(zmq.ZMQError, EngineDeadError):
-                await self._send(m.Goodbye())
+            self._send(m.Goodbye())
         self._closed = True
-        for task in [self._loop_task, *self._side_tasks]:
-            if task is not None:
-                task.cancel()
-        for task in [self._loop_task, *self._side_tasks]:
-            if task is not None:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        for task in self._side_tasks:
+            task.cancel()
+        for task in list(self._side_tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         self._fail_all("frontend is shutting down")
-        await self._close_socket()
-
-    # -- requests ----------------------------------------------------------------------
+        await self._stop_session()
 
     async def generate(
         self,
@@ -193,7 +195,7 @@ class EngineClient:
         finish_reason = "abort"  # unless the engine or the consumer says otherwise
         self._notify("on_request_added", request_id, len(prompt_token_ids), time.monotonic())
         try:
-            await self._send(
+            self._send(
                 m.AddRequest(
                     request_id=request_id,
                     prompt_token_ids=prompt_token_ids,
@@ -237,7 +239,7 @@ class EngineClient:
         for request_id in request_ids:
             self._queues.pop(request_id, None)
         if request_ids and self.is_alive:
-            await self._send(m.AbortRequests(request_ids=list(request_ids)))
+            self._send(m.AbortRequests(request_ids=list(request_ids)))
 
     async def utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
         """Call ``method`` in the engine core; returns its decoded result. Raises
@@ -248,7 +250,7 @@ class EngineClient:
         self._utility_calls[call_id] = future
         try:
             raw_args = [msgspec.Raw(codec.encode_value(a)) for a in args]
-            await self._send(m.UtilityRequest(call_id=call_id, method=method, args=raw_args))
+            self._send(m.UtilityRequest(call_id=call_id, method=method, args=raw_args))
             response = await asyncio.wait_for(future, timeout)
         finally:
             self._utility_calls.pop(call_id, None)
@@ -270,74 +272,89 @@ class EngineClient:
         self._side_tasks.add(task)
         task.add_done_callback(self._side_tasks.discard)
 
-    async def _send(self, message: msgspec.Struct) -> None:
-        """Send without blocking: a DEALER whose queue to the engine is full (the engine
-        stopped reading) must not stall the caller, least of all the heartbeat loop."""
-        assert self._socket is not None
-        try:
-            await self._socket.send(codec.encode(message), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            raise EngineDeadError(
-                "engine core is not reading its socket (send queue full)"
-            ) from None
+    def _send(self, message: msgspec.Struct) -> None:
+        """Hand ``message`` to the session thread (never blocks). A message of a session
+        that is gone meanwhile is dropped there; its requests fail through ``SessionLost``."""
+        assert self._session is not None
+        self._session.send(message, self._epoch)
 
-    async def _recv(self, timeout_s: float) -> m.EngineToClient | None:
-        """One decoded message, or None on timeout or an undecodable frame (logged)."""
-        assert self._socket is not None
-        if not await self._socket.poll(int(timeout_s * 1000), zmq.POLLIN):
-            return None
-        frames = await self._socket.recv_multipart(copy=False)
-        self._last_heard = time.monotonic()
-        try:
-            return self._decoder.decode(frames[-1].buffer)
-        except codec.ProtocolError as e:
-            logger.warning("dropping an undecodable frame from the engine core: %s", e)
-            return None
+    def _emit_threadsafe(self, event: Event) -> None:
+        """Called on the session thread: run ``_on_event`` on the loop."""
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            self._loop.call_soon_threadsafe(self._on_event, event)
 
-    async def _run_loop(self) -> None:
-        interval = envs.VT_HEARTBEAT_INTERVAL_S
-        timeout = envs.VT_HEARTBEAT_TIMEOUT_S
-        next_heartbeat = 0.0
-        try:
-            while self.dead_reason is None:
-                now = time.monotonic()
-                if now >= next_heartbeat:
-                    with contextlib.suppress(EngineDeadError):  # silence decides, below
-                        await self._send(m.Heartbeat(timestamp=time.time()))
-                    next_heartbeat = now + interval
-                if now - self._last_heard > timeout:
-                    self._mark_dead(f"engine core silent for more than {timeout:g}s")
-                    break
-                if self._engine_alive is not None and not self._engine_alive():
-                    self._mark_dead("engine core process exited")
-                    break
-                wait = max(0.0, min(_POLL_S, next_heartbeat - now))
-                message = await self._recv(wait)
-                if message is not None:
-                    self._handle(message)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a socket failure: nothing more can reach the engine
-            logger.exception("engine client loop failed")
-            self._mark_dead(f"engine client failed: {e!r}")
-
-    def _handle(self, message: m.EngineToClient) -> None:
-        if isinstance(message, m.EngineOutputs):
-            if message.scheduler_stats is not None:
-                self.latest_stats = message.scheduler_stats
-            self._notify("on_outputs", message, time.monotonic())
-            for output in message.outputs:
-                queue = self._queues.get(output.request_id)
-                if queue is not None:
-                    queue.put_nowait(output)
-        elif isinstance(message, m.UtilityResponse):
-            future = self._utility_calls.get(message.call_id)
+    def _on_event(self, event: Event) -> None:
+        if self._closed:
+            return
+        if isinstance(event, m.EngineOutputs):
+            self._on_outputs(event)
+        elif isinstance(event, m.UtilityResponse):
+            future = self._utility_calls.get(event.call_id)
             if future is not None and not future.done():
-                future.set_result(message)
-        elif isinstance(message, m.EngineDead):
-            self._mark_dead(f"engine core died: {message.reason}")
-        elif not isinstance(message, m.Heartbeat):
-            logger.warning("unexpected %s from the engine core", type(message).__name__)
+                future.set_result(event)
+        elif isinstance(event, SessionUp):
+            self._on_session_up(event)
+        elif isinstance(event, SessionLost):
+            self._on_session_lost(event)
+        elif (
+            isinstance(event, HandshakeFailed)
+            and self._handshake is not None
+            and not self._handshake.done()
+        ):
+            self._handshake.set_exception(HandshakeError(event.reason))
+
+    def _on_session_up(self, event: SessionUp) -> None:
+        previous, self.ready = self.ready, event.ready
+        self._epoch = event.epoch
+        self.dead_reason = None
+        if self._handshake is not None and not self._handshake.done():
+            self._handshake.set_result(event.ready)
+            return
+        logger.warning(
+            "session %d with the engine core open again (engine %s)",
+            event.epoch,
+            event.ready.engine_id or "?",
+        )
+        if previous is not None and (previous.model, previous.max_model_len) != (
+            event.ready.model,
+            event.ready.max_model_len,
+        ):
+            logger.error(
+                "the engine core now serves %s (max_model_len %d), not %s (%d): restart "
+                "this frontend to pick up the new model",
+                event.ready.model,
+                event.ready.max_model_len,
+                previous.model,
+                previous.max_model_len,
+            )
+
+    def _on_session_lost(self, event: SessionLost) -> None:
+        if self._final:
+            return
+        reason = event.reason if event.final else f"{event.reason}; reconnecting"
+        self.dead_reason = reason
+        if self._queues or self._utility_calls:
+            logger.error("%s; failing %d in-flight requests", reason, len(self._queues))
+        else:
+            logger.error("%s", reason)
+        self._fail_all(reason)
+        if event.final:
+            self._final = True
+            if self._on_dead is not None:
+                try:
+                    self._on_dead(reason)
+                except Exception:
+                    logger.exception("on_dead callback failed")
+
+    def _on_outputs(self, message: m.EngineOutputs) -> None:
+        if message.scheduler_stats is not None:
+            self.latest_stats = message.scheduler_stats
+        self._notify("on_outputs", message, time.monotonic())
+        for output in message.outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
 
     def _notify(self, event: str, *args: Any) -> None:
         for observer in self._observers:
@@ -346,18 +363,6 @@ class EngineClient:
             except Exception:
                 logger.exception("request observer %s.%s failed", type(observer).__name__, event)
 
-    def _mark_dead(self, reason: str) -> None:
-        if self.dead_reason is not None or self._closed:
-            return
-        self.dead_reason = reason
-        logger.error("%s; failing %d in-flight requests", reason, len(self._queues))
-        self._fail_all(reason)
-        if self._on_dead is not None:
-            try:
-                self._on_dead(reason)
-            except Exception:
-                logger.exception("on_dead callback failed")
-
     def _fail_all(self, reason: str) -> None:
         for queue in self._queues.values():
             queue.put_nowait(_Dead(reason))
@@ -365,10 +370,7 @@ class EngineClient:
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
 
-    async def _close_socket(self) -> None:
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+    async def _stop_session(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            await asyncio.to_thread(session.stop)

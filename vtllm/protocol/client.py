@@ -7,32 +7,37 @@ batch jobs, other servers). Token ids in, token ids out; no torch, no tokenizer.
         print(output.new_token_ids, output.finish_reason)
     client.close()
 
-Heartbeats: the client answers the engine's heartbeats whenever it polls. A client that
-does not poll for ``VT_HEARTBEAT_TIMEOUT_S`` is taken for dead and its requests aborted.
+The socket belongs to a ``session.SessionThread`` (the same session rules as the asyncio
+client): heartbeats and the engine's liveness are kept by that thread, so a caller that
+does not poll for minutes keeps its session. When the session is lost, the calls that wait
+for its requests raise ``EngineDeadError`` once (those requests are gone); with
+``reconnect=True`` (or after the engine said ``SessionUnknown``) the thread handshakes again
+and new requests are served once the engine answers. Use from one thread.
 """
 
 from __future__ import annotations
 
-import os
+import queue
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterator
 from typing import Any
 
 import msgspec
-import zmq
 
-from vtllm import envs
 from vtllm.protocol import codec, transport
 from vtllm.protocol import messages as m
+from vtllm.protocol.session import (
+    EngineDeadError,
+    Event,
+    HandshakeError,
+    HandshakeFailed,
+    SessionLost,
+    SessionThread,
+    SessionUp,
+)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine core said it is dead, or fell silent past the heartbeat timeout."""
-
-
-class HandshakeError(RuntimeError):
-    """The engine core refused the handshake or did not answer in time."""
+__all__ = ["EngineCoreClient", "EngineDeadError", "HandshakeError"]
 
 
 class EngineCoreClient:
@@ -41,36 +46,50 @@ class EngineCoreClient:
         address: str,
         client_name: str = "vtllm-client",
         timeout_s: float = 60.0,
-        context: zmq.Context | None = None,
         curve_keys: transport.CurveKeys | None = None,
+        reconnect: bool = False,
     ) -> None:
         """Connect and handshake (raises ``HandshakeError``). ``curve_keys``: the engine's
-        key file (``transport.CurveKeys.load``) when it listens on a secured tcp:// address."""
-        self._ctx = context or zmq.Context.instance()
-        self._socket = transport.configure(self._ctx.socket(zmq.DEALER))
-        transport.secure_client(self._socket, curve_keys)
-        self._socket.connect(address)
-        self._decoder = codec.engine_to_client_decoder()
+        key file (``transport.CurveKeys.load``) when it listens on a secured tcp:// address.
+        ``reconnect``: losing the engine is not final (see ``EngineClient.connect``)."""
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._pending: dict[str, deque[m.RequestOutput]] = defaultdict(deque)
+        self._in_flight: set[str] = set()
+        self._lost: dict[str, str] = {}  # request id → why its session was lost
         self._utility_results: dict[int, m.UtilityResponse] = {}
+        self._utility_lost: str | None = None
         self._next_call_id = 0
-        self._last_heard = time.monotonic()
-        self._last_sent = 0.0
+        self._epoch = 0
+        self.dead_reason: str | None = None  # why the engine is not available now
         self.latest_stats: m.SchedulerStats | None = None
-        self.ready = self._handshake(client_name or f"client-{os.getpid()}", timeout_s)
+        self._session = SessionThread(
+            address, client_name, self._events.put, curve_keys=curve_keys, reconnect=reconnect
+        )
+        self._session.start()
+        self.ready = self._handshake(address, timeout_s)
 
-    def _handshake(self, client_name: str, timeout_s: float) -> m.Ready:
-        self._send(m.Hello(m.PROTOCOL_VERSION, client_name))
+    def _handshake(self, address: str, timeout_s: float) -> m.Ready:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self._socket.poll(100):
+        while self._epoch == 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._session.stop()
+                raise HandshakeError(
+                    f"engine core at {address} did not answer the handshake within {timeout_s:.0f}s"
+                )
+            try:
+                event = self._events.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
                 continue
-            message = self._decoder.decode(self._socket.recv())
-            if isinstance(message, m.Ready):
-                return message
-            if isinstance(message, m.HandshakeRefused):
-                raise HandshakeError(f"engine core refused the handshake: {message.reason}")
-        raise HandshakeError(f"no answer from the engine core within {timeout_s:.0f}s")
+            if isinstance(event, HandshakeFailed):
+                self._session.stop()
+                raise HandshakeError(event.reason)
+            self._on_event(event)
+        return self.ready
+
+    @property
+    def is_alive(self) -> bool:
+        return self._epoch > 0 and self.dead_reason is None
 
     # -- requests --------------------------------------------------------------------
 
@@ -82,6 +101,11 @@ class EngineCoreClient:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> None:
+        """Send a request. Raises ``EngineDeadError`` while no session is open."""
+        self._drain(0.0)
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        self._in_flight.add(request_id)
         self._send(
             m.AddRequest(
                 request_id, prompt_token_ids, sampling_params, time.time(), priority, cache_salt
@@ -89,54 +113,65 @@ class EngineCoreClient:
         )
 
     def abort(self, request_ids: list[str]) -> None:
+        self._in_flight.difference_update(request_ids)
         self._send(m.AbortRequests(list(request_ids)))
 
     def get_outputs(self, timeout_s: float = 1.0) -> list[m.RequestOutput]:
-        """Outputs that arrived within ``timeout_s`` (possibly none), for any request."""
-        got = [out for queue in self._pending.values() for out in queue]
+        """Outputs that arrived within ``timeout_s`` (possibly none), for any request.
+        Raises ``EngineDeadError`` (once) when the session of requests in flight was lost."""
+        if not self._pending:
+            self._drain(timeout_s)
+        got = [out for q in self._pending.values() for out in q]
         self._pending.clear()
-        if got:
-            return got
-        self._pump(timeout_s)
-        got = [out for queue in self._pending.values() for out in queue]
-        self._pending.clear()
+        if not got and self._lost:
+            reasons = set(self._lost.values())
+            self._lost.clear()
+            raise EngineDeadError("; ".join(sorted(reasons)))
         return got
 
     def stream(self, request_id: str, timeout_s: float = 600.0) -> Iterator[m.RequestOutput]:
         """This request's outputs until it finishes. Outputs of other requests that arrive
-        meanwhile are kept for their own ``stream``."""
+        meanwhile are kept for their own ``stream``. Raises ``EngineDeadError`` when its
+        session was lost."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            queue = self._pending.get(request_id)
-            while queue:
-                output = queue.popleft()
+            pending = self._pending.get(request_id)
+            while pending:
+                output = pending.popleft()
                 yield output
                 if output.finish_reason is not None:
                     self._pending.pop(request_id, None)
                     return
-            self._pump(0.5)
+            if request_id in self._lost:
+                raise EngineDeadError(self._lost.pop(request_id))
+            self._drain(0.5)
         raise TimeoutError(f"request {request_id} did not finish within {timeout_s:.0f}s")
 
     def utility(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
+        self._drain(0.0)
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
         self._next_call_id += 1
         call_id = self._next_call_id
         raw_args = [msgspec.Raw(codec.encode_value(a)) for a in args]
+        self._utility_lost = None
         self._send(m.UtilityRequest(call_id, method, raw_args))
         deadline = time.monotonic() + timeout_s
         while call_id not in self._utility_results:
+            if self._utility_lost is not None:
+                raise EngineDeadError(self._utility_lost)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"utility {method!r} got no answer within {timeout_s:.0f}s")
-            self._pump(0.2)
+            self._drain(0.2)
         response = self._utility_results.pop(call_id)
         if not response.ok:
             raise RuntimeError(f"utility {method!r} failed: {response.error}")
         return codec.decode_value(response.result)
 
     def close(self) -> None:
-        try:
+        if self.is_alive:
             self._send(m.Goodbye())
-        finally:
-            self._socket.close(linger=100)
+        self._session.stop()
 
     def __enter__(self) -> EngineCoreClient:
         return self
@@ -147,36 +182,38 @@ class EngineCoreClient:
     # -- plumbing --------------------------------------------------------------------
 
     def _send(self, message: msgspec.Struct) -> None:
-        self._socket.send(codec.encode(message))
-        self._last_sent = time.monotonic()
+        self._session.send(message, self._epoch)
 
-    def _pump(self, timeout_s: float) -> None:
-        """Receive whatever arrives within ``timeout_s``; keep the heartbeat going."""
-        now = time.monotonic()
-        if now - self._last_sent >= envs.VT_HEARTBEAT_INTERVAL_S:
-            self._send(m.Heartbeat(time.time()))
-        if now - self._last_heard > envs.VT_HEARTBEAT_TIMEOUT_S:
-            raise EngineDeadError(
-                f"no message from the engine core for {now - self._last_heard:.0f}s"
-            )
-        if not self._socket.poll(int(timeout_s * 1000)):
+    def _drain(self, timeout_s: float) -> None:
+        """Handle every event that arrives within ``timeout_s`` (or is already there)."""
+        try:
+            event = self._events.get(timeout=timeout_s) if timeout_s > 0 else None
+        except queue.Empty:
             return
         while True:
+            if event is not None:
+                self._on_event(event)
             try:
-                frame = self._socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
+                event = self._events.get_nowait()
+            except queue.Empty:
                 return
-            self._last_heard = time.monotonic()
-            try:
-                message = self._decoder.decode(frame)
-            except codec.ProtocolError:
-                continue
-            if isinstance(message, m.EngineOutputs):
-                if message.scheduler_stats is not None:
-                    self.latest_stats = message.scheduler_stats
-                for output in message.outputs:
-                    self._pending[output.request_id].append(output)
-            elif isinstance(message, m.UtilityResponse):
-                self._utility_results[message.call_id] = message
-            elif isinstance(message, m.EngineDead):
-                raise EngineDeadError(message.reason)
+
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, m.EngineOutputs):
+            if event.scheduler_stats is not None:
+                self.latest_stats = event.scheduler_stats
+            for output in event.outputs:
+                self._pending[output.request_id].append(output)
+                if output.finish_reason is not None:
+                    self._in_flight.discard(output.request_id)
+        elif isinstance(event, m.UtilityResponse):
+            self._utility_results[event.call_id] = event
+        elif isinstance(event, SessionUp):
+            self.ready, self._epoch, self.dead_reason = event.ready, event.epoch, None
+        elif isinstance(event, SessionLost):
+            reason = event.reason if event.final else f"{event.reason}; reconnecting"
+            self.dead_reason = reason
+            for request_id in self._in_flight:
+                self._lost[request_id] = reason
+            self._in_flight.clear()
+            self._utility_lost = reason
