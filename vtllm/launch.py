@@ -10,12 +10,20 @@ Process tree (titles as ``ps`` shows them)::
 
 Every child dies with its parent (PR_SET_PDEATHSIG), and the ipc sockets live in a private
 runtime directory removed on exit, so nothing is orphaned or left stale.
+
+Stopping (SIGTERM / SIGINT, to this process alone or to the whole process group as
+systemd and Ctrl-C do): the frontend drains its requests (``--shutdown-timeout``) and
+says Goodbye, then this process stops the engine core (which stops its workers) and
+exits 0 once it has exited.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
+import signal
+from collections.abc import Iterator
 
 from vtllm import envs
 from vtllm.config import VtllmConfig
@@ -59,7 +67,12 @@ def start_engine_core(
     return process, client_address
 
 
+# Beyond the engine core's own drain (--shutdown-timeout): stopping its workers.
+STOP_MARGIN_S = 15.0
+
+
 def stop_process(process: multiprocessing.process.BaseProcess, timeout_s: float = 10.0) -> None:
+    """SIGTERM, wait up to ``timeout_s`` for the process to exit, else SIGKILL."""
     if process.is_alive():
         process.terminate()  # SIGTERM: the engine core stops its workers and exits
         process.join(timeout_s)
@@ -69,9 +82,26 @@ def stop_process(process: multiprocessing.process.BaseProcess, timeout_s: float 
         process.join(5)
 
 
+@contextlib.contextmanager
+def _stop_signals_ignored() -> Iterator[None]:
+    """While stopping: a further SIGTERM / SIGINT (a second Ctrl-C, systemd's group
+    signal arriving late) must not kill this process before its children have exited."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+
+    def already_stopping(signum: int, frame: object) -> None:
+        logger.info("%s: already stopping", signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, already_stopping) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def serve(config: VtllmConfig) -> int:
-    """Run until stopped. Exit code 0 on a clean stop, non-zero if the engine died or
-    refused to start (so systemd's Restart=on-failure restarts it).
+    """Run until stopped. Exit code 0 on a clean or signal-initiated stop, non-zero if the
+    engine died or refused to start (so systemd's Restart=on-failure restarts it).
 
     With ``--engine-address``: only the frontend, against a running ``vtllm engine-core``.
     """
@@ -92,14 +122,16 @@ def serve(config: VtllmConfig) -> int:
             client_address,
             engine_alive=engine.is_alive,
         )
-        if not engine.is_alive() and engine.exitcode not in (0, None):
-            logger.error("engine core exited with code %s", engine.exitcode)
-            code = code or engine.exitcode or EXIT_ENGINE_DIED
+        exitcode = engine.exitcode
+        if code != 0 and exitcode is not None and exitcode != 0:
+            logger.error("engine core exited with code %s", exitcode)
+            code = exitcode if exitcode > 0 else EXIT_ENGINE_DIED
         return code
     finally:
-        if engine is not None:
-            stop_process(engine)
-        transport.remove_runtime_dir(runtime_dir)
+        with _stop_signals_ignored():
+            if engine is not None:
+                stop_process(engine, config.engine.shutdown_timeout + STOP_MARGIN_S)
+            transport.remove_runtime_dir(runtime_dir)
 
 
 def engine_core(config: VtllmConfig) -> int:

@@ -138,7 +138,8 @@ async def test_engine_dead_mid_stream_sends_error_event(serve) -> None:
     r = await served.http.post(CHAT, json={**USER, "stream": True})
     await killer
     payloads = parse_sse(r.text)
-    error = json.loads(payloads[-1])["error"]
+    assert payloads[-1] == "[DONE]"
+    error = json.loads(payloads[-2])["error"]
     assert "GPU fell off the bus" in error["message"] and set(error) == {
         "message",
         "type",

@@ -32,11 +32,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(tmp_path: Path, model_dir: Path) -> tuple[FakeEngine, subprocess.Popen, str]:
-    fake = FakeEngine(f"ipc://{tmp_path}/engine.sock", token_ids=[5]).start()
+def start_frontend(
+    tmp_path: Path,
+    model_dir: Path,
+    token_ids: list[int] | None = None,
+    shutdown_timeout: float = 30.0,
+) -> tuple[FakeEngine, subprocess.Popen, str]:
+    """``run_frontend`` in a subprocess against a FakeEngine (``token_ids``, default
+    ``[5]``) in this process; returns once ``/health`` answers 200."""
+    fake = FakeEngine(f"ipc://{tmp_path}/engine.sock", token_ids=token_ids or [5]).start()
     config = VtllmConfig()
     config.frontend.port = _free_port()
-    env = {**os.environ, "VT_HEARTBEAT_INTERVAL_S": "0.1", "VT_LOG_LEVEL": "WARNING"}
+    config.engine.shutdown_timeout = shutdown_timeout
+    env = {**os.environ, "VT_HEARTBEAT_INTERVAL_S": "0.1", "VT_LOG_LEVEL": "INFO"}
     proc = subprocess.Popen(
         [sys.executable, "-c", _RUN, config.to_bytes().decode(), str(model_dir), fake.address],
         env=env,
@@ -59,7 +67,7 @@ def _start(tmp_path: Path, model_dir: Path) -> tuple[FakeEngine, subprocess.Pope
         time.sleep(0.05)
 
 
-def _wait_exit(proc: subprocess.Popen, timeout_s: float = 10) -> int:
+def wait_exit(proc: subprocess.Popen, timeout_s: float = 10) -> int:
     try:
         return proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
@@ -68,11 +76,11 @@ def _wait_exit(proc: subprocess.Popen, timeout_s: float = 10) -> int:
 
 
 def test_exits_nonzero_when_engine_dies(tmp_path: Path, model_dir: Path) -> None:
-    fake, proc, url = _start(tmp_path, model_dir)
+    fake, proc, url = start_frontend(tmp_path, model_dir)
     try:
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}).status_code == 200
         fake.send_dead("worker crashed")
-        assert _wait_exit(proc) == 1
+        assert wait_exit(proc) == 1
     finally:
         fake.stop()
 
@@ -80,7 +88,7 @@ def test_exits_nonzero_when_engine_dies(tmp_path: Path, model_dir: Path) -> None
 def test_metrics_alive_on_the_real_server(tmp_path: Path, model_dir: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    fake, proc, url = _start(tmp_path, model_dir)
+    fake, proc, url = start_frontend(tmp_path, model_dir)
     try:
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}).status_code == 200
         r = httpx.get(f"{url}/metrics")
@@ -102,10 +110,10 @@ def test_metrics_alive_on_the_real_server(tmp_path: Path, model_dir: Path) -> No
 
 
 def test_sigterm_is_a_clean_stop(tmp_path: Path, model_dir: Path) -> None:
-    fake, proc, _ = _start(tmp_path, model_dir)
+    fake, proc, _ = start_frontend(tmp_path, model_dir)
     try:
         proc.send_signal(signal.SIGTERM)
-        assert _wait_exit(proc) == 0
+        assert wait_exit(proc) == 0
         deadline = time.monotonic() + 5
         while fake.goodbyes == 0 and time.monotonic() < deadline:
             time.sleep(0.02)

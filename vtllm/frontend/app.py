@@ -25,6 +25,7 @@ import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -32,7 +33,9 @@ from starlette.routing import Route
 import vtllm
 from vtllm import envs
 from vtllm.config import VtllmConfig
+from vtllm.frontend.drain import Drain, DrainingServer, DrainMiddleware
 from vtllm.frontend.generation import GenerationError, error_for
+from vtllm.frontend.health import EngineHealth
 from vtllm.frontend.metrics import FrontendMetrics, StatsLogger
 from vtllm.frontend.openai_types import OpenAIError
 from vtllm.frontend.openapi import openapi_document
@@ -112,6 +115,8 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
     ctx = build_context(config, model_dir, engine_client)
     metrics = FrontendMetrics(ctx.model_name, ctx.max_model_len)
     engine_client.add_observer(metrics)
+    engine_health = EngineHealth(engine_client)
+    engine_client.add_observer(engine_health)
     max_bytes = config.frontend.max_request_bytes
     api_key = config.frontend.api_key or envs.VT_API_KEY
     expected_auth = f"Bearer {api_key}".encode()
@@ -154,15 +159,10 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
         return json_response({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
-        if engine_client.is_alive:
+        problem = engine_health.problem()
+        if problem is None:
             return Response(status_code=200)
-        return error_response(
-            OpenAIError(
-                503,
-                f"engine core is not available: {engine_client.dead_reason or 'not connected'}",
-                "service_unavailable",
-            )
-        )
+        return error_response(OpenAIError(503, problem, "service_unavailable"))
 
     async def version(request: Request) -> Response:
         return json_response({"version": vtllm.__version__})
@@ -199,6 +199,7 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
     ]
     app = Starlette(
         routes=routes,
+        middleware=[Middleware(DrainMiddleware, drain=ctx.drain)],
         exception_handlers={
             HTTPException: on_http_error,
             OpenAIError: on_openai_error,
@@ -207,6 +208,7 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
     )
     app.state.serving = ctx
     app.state.metrics = metrics
+    app.state.health = engine_health
     return app
 
 
@@ -216,8 +218,12 @@ def run_frontend(
     engine_address: str,
     engine_alive: Callable[[], bool] | None = None,
 ) -> int:
-    """Connect to the engine core and serve HTTP until SIGINT/SIGTERM (uvicorn's handling)
-    or engine death. Returns 0 after a clean stop, 1 if the engine died or never got ready."""
+    """Connect to the engine core and serve HTTP until SIGINT/SIGTERM or engine death.
+
+    A signal drains (drain.py): new requests get 503, running ones may finish within
+    ``--shutdown-timeout``, the rest end with an error; then the engine client says
+    Goodbye. Returns 0 after a signal-initiated stop (whatever the engine did meanwhile),
+    1 if the engine died first or never got ready."""
     try:
         import setproctitle
 
@@ -251,10 +257,17 @@ async def _serve(
     engine_alive: Callable[[], bool] | None,
 ) -> int:
     engine = EngineClient()
-    server: uvicorn.Server | None = None
+    server: DrainingServer | None = None
+    drain: Drain | None = None
+    died_while_serving = False
 
     def on_dead(reason: str) -> None:
-        logger.error("stopping the HTTP server: %s", reason)
+        nonlocal died_while_serving
+        if drain is not None and drain.stopping:
+            logger.warning("engine core gone while stopping: %s", reason)
+        else:
+            died_while_serving = True
+            logger.error("stopping the HTTP server: %s", reason)
         if server is not None:
             server.should_exit = True
 
@@ -274,15 +287,16 @@ async def _serve(
         return 1
     try:
         app = build_app(config, model_dir, engine)
+        drain = app.state.serving.drain
         uv_config = uvicorn.Config(
             app,
             host=config.frontend.host,
             port=config.frontend.port,
             log_level=envs.VT_LOG_LEVEL.lower(),
             log_config=None,  # vtllm's own handlers (text or JSON lines, see vtllm/log.py)
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=5,  # a backstop: the drain has ended every request
         )
-        server = uvicorn.Server(uv_config)
+        server = DrainingServer(uv_config, drain, config.engine.shutdown_timeout)
         logger.info(
             "serving %s on http://%s:%d",
             app.state.serving.model_name,
@@ -302,4 +316,6 @@ async def _serve(
     finally:
         dead = engine.dead_reason is not None
         await engine.close()
-    return 1 if dead else 0
+    if died_while_serving or (dead and server.stop_signal is None):
+        return 1
+    return 0  # a requested stop, whatever the engine core did meanwhile

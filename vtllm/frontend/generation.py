@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from vtllm.frontend.detokenizer import OutputText
+from vtllm.frontend.drain import Drain
 from vtllm.frontend.openai_types import OpenAIError
 from vtllm.frontend.tokenizer import ModelTokenizer
 from vtllm.protocol.async_client import EngineClient, EngineDeadError
@@ -120,15 +121,22 @@ _DONE = _Done()
 class ChoiceMerger:
     """Runs every choice concurrently. ``async with`` it; call ``get(timeout)`` until it
     returns None (all done): a ``ChoiceDelta``, or ``asyncio.TimeoutError`` when nothing arrived in
-    ``timeout`` seconds (the merger keeps running). Errors of a choice are re-raised by
-    ``get``. Leaving the block cancels (and so aborts) unfinished choices."""
+    ``timeout`` seconds (the merger keeps running). Errors of a choice, and the exception
+    given to ``interrupt``, are re-raised by ``get``. Leaving the block cancels (and so
+    aborts) unfinished choices. With a ``drain``, the merger is registered with it while
+    open, so a stopping server can interrupt it."""
 
     def __init__(
-        self, engine: EngineClient, tokenizer: ModelTokenizer, jobs: Sequence[ChoiceJob]
+        self,
+        engine: EngineClient,
+        tokenizer: ModelTokenizer,
+        jobs: Sequence[ChoiceJob],
+        drain: Drain | None = None,
     ) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
         self._jobs = list(jobs)
+        self._drain = drain
         self._queue: asyncio.Queue[ChoiceDelta | BaseException | _Done] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._num_running = 0
@@ -136,15 +144,24 @@ class ChoiceMerger:
     async def __aenter__(self) -> ChoiceMerger:
         if not self._engine.is_alive:
             raise EngineDeadError(self._engine.dead_reason or "engine core is not connected")
+        if self._drain is not None:
+            self._drain.add(self)
         self._num_running = len(self._jobs)
         self._tasks = [asyncio.create_task(self._pump(job)) for job in self._jobs]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         # Cancelling a choice closes its engine stream, which aborts the engine request.
+        if self._drain is not None:
+            self._drain.discard(self)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def interrupt(self, exc: BaseException) -> None:
+        """Make the next ``get`` raise ``exc`` (the choices keep running until the block
+        is left)."""
+        self._queue.put_nowait(exc)
 
     async def _pump(self, job: ChoiceJob) -> None:
         try:

@@ -3,7 +3,7 @@
 Streaming answers are SSE: per choice a role chunk first, then content chunks, the
 finish_reason on each choice's last chunk, a usage chunk (``choices: []``) when
 ``stream_options.include_usage``, then ``data: [DONE]``. An error mid-stream is one event
-in OpenAI error shape, after which the stream closes.
+in OpenAI error shape, then ``data: [DONE]``.
 
 Tools: the model's template renders ``tools``; with ``--tool-call-parser`` the output is
 parsed into ``tool_calls`` (``tool_parsers.py``) unless ``tool_choice`` is "none". A
@@ -272,7 +272,7 @@ async def _complete(
     tool_plan: ToolPlan,
 ) -> dict[str, Any]:
     usage = UsageCounter(len(jobs[0].prompt_token_ids))
-    async with ChoiceMerger(ctx.engine, ctx.tokenizer, jobs) as merger:
+    async with ChoiceMerger(ctx.engine, ctx.tokenizer, jobs, ctx.drain) as merger:
         by_index = await collect(merger)
     choices = []
     for job in jobs:
@@ -359,7 +359,7 @@ async def _stream(
     usage = UsageCounter(len(jobs[0].prompt_token_ids))
     streamed = {job.index: _StreamedChoice(tool_plan) for job in jobs}
     try:
-        async with ChoiceMerger(ctx.engine, ctx.tokenizer, jobs) as merger:
+        async with ChoiceMerger(ctx.engine, ctx.tokenizer, jobs, ctx.drain) as merger:
             for job in jobs:
                 role = {"role": "assistant", "content": ""}
                 yield chunk(

@@ -130,7 +130,7 @@ async def _complete(
     response_id: str,
 ) -> dict[str, Any]:
     usage = UsageCounter(_num_prompt_tokens(request, jobs))
-    async with ChoiceMerger(ctx.engine, ctx.tokenizer, jobs) as merger:
+    async with ChoiceMerger(ctx.engine, ctx.tokenizer, jobs, ctx.drain) as merger:
         by_index = await collect(merger)
     choices = []
     for job in jobs:
@@ -184,7 +184,7 @@ async def _stream(
     usage = UsageCounter(_num_prompt_tokens(request, jobs))
     text_offsets = {job.index: 0 for job in jobs}
     try:
-        async with ChoiceMerger(ctx.engine, ctx.tokenizer, jobs) as merger:
+        async with ChoiceMerger(ctx.engine, ctx.tokenizer, jobs, ctx.drain) as merger:
             if request.echo:
                 for job in jobs:
                     text = prompt_texts[job.index // request.n]

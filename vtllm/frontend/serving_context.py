@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.responses import Response
 
+from vtllm.frontend.drain import Drain
 from vtllm.frontend.generation import ChoiceDelta
 from vtllm.frontend.openai_types import OpenAIError
 from vtllm.frontend.tokenizer import ModelTokenizer
@@ -38,6 +39,7 @@ class ServingContext:
     extra_stop_token_ids: list[int] = field(default_factory=list)
     model_aliases: tuple[str, ...] = ()
     tool_call_parser: str | None = None  # --tool-call-parser
+    drain: Drain = field(default_factory=Drain)  # graceful stop (drain.py)
 
     def check_model(self, requested: str | None) -> None:
         """None or a served name is fine; anything else is a 404."""

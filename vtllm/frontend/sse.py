@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from vtllm import envs
+from vtllm.frontend.drain import ServerStopping
 from vtllm.frontend.generation import ChoiceDelta, ChoiceMerger, error_for
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,11 @@ async def deltas_with_keepalive(
 
 
 def sse_error(exc: BaseException) -> bytes:
-    """An error event in OpenAI error shape (the stream closes after it)."""
+    """The end of a failed stream: one event in OpenAI error shape, then ``[DONE]`` (a
+    client reading until ``[DONE]`` is never left with a cut connection)."""
     error = error_for(exc)
-    if error.status_code >= 500:
+    if isinstance(exc, ServerStopping):
+        logger.warning("stream ended: %s", error.message)
+    elif error.status_code >= 500:
         logger.error("stream failed: %s", error.message)
-    return sse_event(error.to_dict())
+    return sse_event(error.to_dict()) + SSE_DONE
