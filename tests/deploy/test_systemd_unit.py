@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from vtllm import envs
+from vtllm.config import VtllmConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -49,6 +50,9 @@ def test_unit_settings():
         "ExecStart=/opt/vtllm/.venv/bin/vtllm serve",
     ):
         assert setting in unit, setting
+    # systemd must not SIGKILL a drain that --shutdown-timeout allows
+    stop_timeout = int(unit.split("TimeoutStopSec=", 1)[1].split()[0])
+    assert stop_timeout >= VtllmConfig().engine.shutdown_timeout + 15, stop_timeout
     # hardening that would hide GPU device nodes must not be there
     for forbidden in ("PrivateDevices=true", "DevicePolicy=closed", "DevicePolicy=strict"):
         assert forbidden not in unit
