@@ -31,6 +31,25 @@ _DTYPES = {
 
 
 @dataclass(frozen=True)
+class MemorySnapshot:
+    """One reading of device memory, in bytes. ``total`` and ``free`` are the device's,
+    every process on it counted; ``torch_*`` are this process's caching allocator."""
+
+    total: int
+    free: int
+    torch_reserved: int  # held by the caching allocator (live tensors + its cache)
+    torch_allocated: int  # live tensors
+    torch_peak_allocated: int  # most live tensors since the last ``reset_peak_memory``
+
+    @property
+    def non_torch(self) -> int:
+        """Device memory in use that this process's torch does not hold: other processes,
+        this process's CUDA/HIP context, NCCL/RCCL buffers, loaded kernels, library
+        workspaces."""
+        return max(0, self.total - self.free - self.torch_reserved)
+
+
+@dataclass(frozen=True)
 class Platform:
     """What the worker of one rank runs on. Build it with ``detect_platform(rank)``."""
 
@@ -76,15 +95,25 @@ class Platform:
         page = os.sysconf("SC_PAGE_SIZE")
         return page * os.sysconf("SC_AVPHYS_PAGES"), page * os.sysconf("SC_PHYS_PAGES")
 
+    def memory_snapshot(self) -> MemorySnapshot:
+        """Device and torch memory now (after a synchronize, so pending frees count).
+        On CPU: available and total RAM, torch numbers 0 (not tracked)."""
+        if not self.is_gpu:
+            free, total = self.memory_info()
+            return MemorySnapshot(total, free, 0, 0, 0)
+        torch.cuda.synchronize(self.device)
+        free, total = self.memory_info()
+        return MemorySnapshot(
+            total=total,
+            free=free,
+            torch_reserved=int(torch.cuda.memory_reserved(self.device)),
+            torch_allocated=int(torch.cuda.memory_allocated(self.device)),
+            torch_peak_allocated=int(torch.cuda.max_memory_allocated(self.device)),
+        )
+
     def reset_peak_memory(self) -> None:
         if self.is_gpu:
             torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak_memory_allocated(self) -> int:
-        """Peak bytes allocated by torch since the last reset (0 on CPU: not tracked)."""
-        if self.is_gpu:
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return 0
 
     def memory_allocated(self) -> int:
         if self.is_gpu:

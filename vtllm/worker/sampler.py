@@ -302,6 +302,33 @@ class TokenHistory:
         self._free_slots.extend(range(new_capacity - 1, capacity - 1, -1))
 
 
+# per slot and token id: output_counts float32 + seen_mask bool
+_STATE_BYTES_PER_ENTRY = 4 + 1
+# per penalised row and token id, one step at most: the gathered statistics (5), the
+# processed logits' clone (4), apply_penalties' selected rows (4), ``rows > 0`` (1) and
+# the three float32 temporaries of the repetition ``where`` (12)
+_STEP_BYTES_PER_ENTRY = 5 + 4 + 4 + 1 + 12
+
+
+def token_history_capacity(max_num_seqs: int) -> int:
+    """Most slots ``TokenHistory`` ever holds when at most ``max_num_seqs`` requests are
+    tracked: it grows only from fewer than ``max_num_seqs`` slots, to at most
+    ``max(8, 2 × capacity, tracked + needed)`` (see ``_ensure_free_slots``)."""
+    return max(8, 2 * (max_num_seqs - 1), max_num_seqs)
+
+
+def penalty_state_bytes(max_num_seqs: int, vocab_size: int) -> int:
+    """Device bytes that penalties can hold at once beyond a plain sampling step, with at
+    most ``max_num_seqs`` requests in a batch: ``TokenHistory`` at its largest capacity
+    plus one step's gathered statistics and temporaries for every row. The worker's
+    memory profiling counts this (its dummy step samples without penalties); a grown
+    capacity exceeds ``max_num_seqs`` by up to 2×, and while growing the old slots (fewer
+    than ``max_num_seqs``) coexist with the new ones, which the step term covers."""
+    capacity = token_history_capacity(max_num_seqs)
+    per_token = _STATE_BYTES_PER_ENTRY * capacity + _STEP_BYTES_PER_ENTRY * max_num_seqs
+    return per_token * vocab_size
+
+
 @dataclass
 class SamplerOutput:
     sampled: torch.Tensor  # [num_rows] int64

@@ -35,8 +35,10 @@ from vtllm.worker.decode_graphs import capture_sizes
 from vtllm.worker.distributed import destroy_distributed, init_distributed
 from vtllm.worker.heartbeat import HeartbeatSender
 from vtllm.worker.loader.hf_config import load_hf_config, model_facts
+from vtllm.worker.memory_budget import memory_budget
 from vtllm.worker.model_runner import ModelRunner
-from vtllm.worker.platform import Platform, detect_platform
+from vtllm.worker.platform import MemorySnapshot, Platform, detect_platform
+from vtllm.worker.sampler import penalty_state_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ def _serve(
     heartbeat.phase = "loading the model"
     platform = detect_platform(rank)
     platform.set_device()
+    at_start = platform.memory_snapshot()  # other processes and our context, nothing else
     if not platform.is_gpu:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     tp = init_distributed(
@@ -110,7 +113,8 @@ def _serve(
     facts = model_facts(model_dir, hf_config, name, attn.num_kv_heads, attn.head_dim, dtype)
     use_graphs = _use_graphs(config, platform, runner)
     heartbeat.phase = "profiling memory"
-    usable = _usable_kv_bytes(config, platform, runner, facts.max_position_embeddings, use_graphs)
+    max_position = facts.max_position_embeddings
+    usable = _usable_kv_bytes(config, platform, runner, max_position, use_graphs, at_start)
     socket.send(codec.encode(m.WorkerReport(rank=rank, facts=facts, usable_kv_bytes=usable)))
 
     decoder = codec.engine_to_worker_decoder()
@@ -182,11 +186,23 @@ def _usable_kv_bytes(
     runner: ModelRunner,
     max_position: int,
     use_graphs: bool,
+    at_start: MemorySnapshot,
 ) -> int:
-    """CPU: ``--kv-cache-memory``. GPU: utilisation × total − weights − peak activation
-    of a max-size dummy step (run over a temporary KV cache just big enough for it) −
-    the memory of the largest decode graph (captured once here to measure it)."""
+    """CPU: ``--kv-cache-memory``. GPU: what ``memory_budget`` leaves after the weights,
+    the peak activation of a max-size dummy step (run over a temporary KV cache just big
+    enough for it), the largest decode graph (captured once here to measure it) times
+    their number, the sampler's penalty state, and the device memory torch does not hold
+    (``at_start``: before loading). Raises ``NoMemoryForKVCache`` when nothing is left."""
+    sampler_state = 0
+    if runner.is_driver:  # only rank 0 samples
+        sampler_state = penalty_state_bytes(config.scheduler.max_num_seqs, runner.vocab_size)
     if not platform.is_gpu:
+        logger.info(
+            "memory: KV cache %.2f GiB (--kv-cache-memory); sampler penalty state up to "
+            "%.0f MiB besides",
+            config.cache.kv_cache_memory / 2**30,
+            sampler_state / 2**20,
+        )
         return config.cache.kv_cache_memory
     block_size = config.cache.block_size
     max_len = config.model.max_model_len or max_position
@@ -196,9 +212,10 @@ def _usable_kv_bytes(
     weights = platform.memory_allocated()
     platform.reset_peak_memory()
     runner.init_kv_cache(-(-num_tokens // block_size), block_size)
+    probe_kv = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
     runner.dummy_run(num_tokens, config.scheduler.max_num_seqs)
-    platform.synchronize()
-    peak_activation = platform.peak_memory_allocated() - weights
+    peak = platform.memory_snapshot().torch_peak_allocated
+    peak_activation = max(0, peak - weights - probe_kv)
     graph_bytes = 0
     if use_graphs:
         # capture the largest graph once; every graph costs about as much device memory
@@ -208,20 +225,17 @@ def _usable_kv_bytes(
         runner.decode_graphs = None
     runner.kv_caches = []
     platform.empty_cache()
-    _, total = platform.memory_info()
-    usable = (
-        int(config.cache.gpu_memory_utilization * total) - weights - peak_activation - graph_bytes
+    budget = memory_budget(
+        config.cache.gpu_memory_utilization,
+        at_start,
+        platform.memory_snapshot(),
+        weights,
+        peak_activation,
+        graph_bytes,
+        sampler_state,
     )
-    logger.info(
-        "memory: total %.2f GiB, weights %.2f GiB, peak activation %.2f GiB, decode graphs "
-        "%.0f MiB (estimated) → KV %.2f GiB",
-        total / 2**30,
-        weights / 2**30,
-        peak_activation / 2**30,
-        graph_bytes / 2**20,
-        usable / 2**30,
-    )
-    return max(0, usable)
+    logger.info("memory: %s", budget.describe())
+    return budget.kv_cache_bytes()
 
 
 def _receive(socket: zmq.Socket, decoder: codec.Decoder, expected: tuple[type, ...]):
