@@ -37,10 +37,14 @@ class FakeEngine:
         self.decoder = codec.worker_to_engine_decoder()
 
     def receive(self, deadline_s: float = DEADLINE_S) -> tuple[bytes, m.WorkerToEngine]:
-        if not self.router.poll(int(deadline_s * 1000)):
-            raise TimeoutError(f"no message from a worker within {deadline_s}s")
-        identity, frame = self.router.recv_multipart()
-        return identity, self.decoder.decode(frame)
+        """The next message from a worker's main socket; heartbeats are skipped."""
+        deadline = time.monotonic() + deadline_s
+        while self.router.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            identity, frame = self.router.recv_multipart()
+            message = self.decoder.decode(frame)
+            if not isinstance(message, m.WorkerHeartbeat):
+                return identity, message
+        raise TimeoutError(f"no message from a worker within {deadline_s}s")
 
     def send(self, rank: int, message) -> None:
         self.router.send_multipart([f"rank-{rank}".encode(), codec.encode(message)])
