@@ -3,15 +3,21 @@ the device against transformers on CPU, and the worker process's memory profilin
 
 from __future__ import annotations
 
+import multiprocessing
+import re
+import socket
+
 import pytest
 import torch
 
+from vtllm.config import VtllmConfig
 from vtllm.protocol import messages as m
 from vtllm.protocol.messages import SamplingParams
 from vtllm.worker.model_runner import ModelRunner
 from vtllm.worker.platform import PlatformKind, detect_platform
+from vtllm.worker.worker import run_worker
 
-from .test_worker_process import _join, _prompt_step, _start_workers
+from .test_worker_process import FakeEngine, _join, _prompt_step, _start_workers
 from .tiny_models import VOCAB_SIZE, EngineSim, full_logprobs, hf_last_logprobs, make_hf_model
 
 pytestmark = pytest.mark.gpu
@@ -24,6 +30,14 @@ def test_platform_sees_the_gpu():
     assert platform.resolve_dtype("auto") == torch.bfloat16
     free, total = platform.memory_info()
     assert 0 < free <= total
+    before = platform.memory_snapshot()
+    assert before.non_torch > 0  # at least this process's CUDA context
+    held = torch.empty(256 * 2**20, dtype=torch.uint8, device=platform.device)
+    after = platform.memory_snapshot()
+    assert after.torch_allocated - before.torch_allocated == held.numel()
+    assert after.torch_reserved >= after.torch_allocated
+    assert before.free - after.free >= held.numel()  # the device sees it too
+    assert abs(after.non_torch - before.non_torch) < 64 * 2**20  # ... as torch's
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -68,6 +82,96 @@ def test_worker_process_profiles_gpu_memory(tmp_path):
     finally:
         _join(procs, timeout_s=1.0)
         engine.close()
+
+
+_TERM = re.compile(
+    r"(in use at start|non-torch growth|weights|peak activation|decode graphs|sampler state"
+    r"|KV cache) (-?[0-9.]+) (GiB|MiB)"
+)
+
+
+def _logged_terms(log: str) -> dict[str, int]:
+    """The terms of the worker's ``memory:`` start-up line, in bytes."""
+    line = next(line for line in log.splitlines() if "memory: limit" in line)
+    unit = {"GiB": 2**30, "MiB": 2**20}
+    terms = {m[1]: float(m[2]) * unit[m[3]] for m in _TERM.finditer(line)}
+    assert len(terms) == 7, line
+    return {name: int(value) for name, value in terms.items()}
+
+
+def test_memory_budget_counts_another_process_and_leaves_its_room(tmp_path, capfd):
+    """Qwen3-0.6B dimensions (4 layers, dummy bf16 weights) in a worker process while
+    this process holds a quarter of the GPU: every logged term is positive, the KV
+    budget leaves the quarter out, and with a KV cache of the whole budget allocated,
+    warmed up and its graphs captured, the device still has its
+    (1 − --gpu-memory-utilization) share free."""
+    import json
+
+    from vtllm.bench import MODEL_SHAPES
+
+    (tmp_path / "config.json").write_text(
+        json.dumps(dict(MODEL_SHAPES["qwen3-0.6b"], num_hidden_layers=4))
+    )
+    platform = detect_platform(0)
+    _, total = platform.memory_info()
+    hog = torch.empty(total // 4, dtype=torch.uint8, device=platform.device)
+    config = VtllmConfig()
+    config.model.load_format = "dummy"
+    config.model.max_model_len = 4096
+    engine, procs = _start_worker(config, tmp_path)
+    try:
+        _, report = engine.receive()
+        assert isinstance(report, m.WorkerReport), report
+        terms = _logged_terms(capfd.readouterr().err)
+        print({name: f"{value / 2**30:.3f} GiB" for name, value in terms.items()})
+        for name in (
+            "in use at start",
+            "weights",
+            "peak activation",
+            "decode graphs",
+            "sampler state",
+            "KV cache",
+        ):
+            assert terms[name] > 0, name
+        assert terms["non-torch growth"] >= 0
+        assert terms["in use at start"] >= hog.numel()  # this process's quarter
+        limit = int(config.cache.gpu_memory_utilization * total)
+        assert 0 < report.usable_kv_bytes <= limit - hog.numel()
+        assert abs(terms["KV cache"] - report.usable_kv_bytes) < 2**30 / 100
+        block_bytes = report.facts.kv_bytes_per_token * 16
+        engine.send(
+            0, m.InitKVCache(num_blocks=report.usable_kv_bytes // block_bytes, block_size=16)
+        )
+        _, ready = engine.receive()
+        assert isinstance(ready, m.WorkerReady), ready
+        free, _ = platform.memory_info()
+        headroom = total - limit
+        print(
+            f"free with the whole budget in use: {free / 2**30:.2f} GiB, "
+            f"headroom {headroom / 2**30:.2f} GiB"
+        )
+        assert free >= headroom - 256 * 2**20
+        engine.send(0, m.Shutdown())
+        assert _join(procs) == [0]
+    finally:
+        _join(procs, timeout_s=1.0)
+        engine.close()
+        del hog
+
+
+def _start_worker(config: VtllmConfig, model_dir):
+    """One rank-0 worker process on ``model_dir`` under ``config``, and its fake engine."""
+    address = f"ipc://{model_dir}/engine.sock"
+    engine = FakeEngine(address)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dist_address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_worker,
+        args=(config.to_bytes(), str(model_dir), 0, 1, address, dist_address),
+    )
+    proc.start()
+    return engine, [proc]
 
 
 @pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama3-8b"])
