@@ -123,7 +123,9 @@ class CacheConfig:
         kind="size",
     )
     gpu_memory_utilization: float = _opt(
-        0.9, "Fraction of GPU memory vtllm may use (weights, activations, KV cache)."
+        0.9,
+        "Fraction of the GPU's memory in use at most, other processes on it counted "
+        "(vtllm's weights, activations and KV cache fill what they leave).",
     )
     enable_prefix_caching: bool = _opt(
         True, "Reuse the KV of shared prompt prefixes across requests."
