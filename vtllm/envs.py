@@ -54,10 +54,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VT_SSE_KEEPALIVE_S": lambda: _float("VT_SSE_KEEPALIVE_S", 10.0),
     # Bearer token required on /v1/* (same as --api-key).
     "VT_API_KEY": lambda: os.environ.get("VT_API_KEY") or None,
-    # Seconds of silence after which a ZMQ peer (engine core or client) counts as dead.
-    "VT_HEARTBEAT_TIMEOUT_S": lambda: _float("VT_HEARTBEAT_TIMEOUT_S", 30.0),
-    # Seconds between heartbeats on the client/engine socket.
-    "VT_HEARTBEAT_INTERVAL_S": lambda: _float("VT_HEARTBEAT_INTERVAL_S", 2.0),
+    # Seconds of silence after which a ZMQ peer (engine core or client) counts as gone.
+    "VT_HEARTBEAT_TIMEOUT_S": lambda: _float("VT_HEARTBEAT_TIMEOUT_S", 5.0),
+    # Seconds between heartbeats on the client/engine socket (sent by each side's I/O thread).
+    "VT_HEARTBEAT_INTERVAL_S": lambda: _float("VT_HEARTBEAT_INTERVAL_S", 1.0),
     # Seconds each worker start-up phase (loading, profiling, KV allocation, graph capture) may take.
     "VT_WORKER_START_TIMEOUT_S": lambda: _float("VT_WORKER_START_TIMEOUT_S", 600.0),
     # Seconds one step may take on the workers before the engine treats them as hung.

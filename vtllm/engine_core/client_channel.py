@@ -80,7 +80,8 @@ class ClientChannel(threading.Thread):
         poller.register(self._outbox, zmq.POLLIN)
         interval = envs.VT_HEARTBEAT_INTERVAL_S
         timeout = envs.VT_HEARTBEAT_TIMEOUT_S
-        next_beat = time.monotonic() + interval
+        last_loop = time.monotonic()
+        next_beat = last_loop + interval
         try:
             while not self._stop_event.is_set():
                 events = dict(poller.poll(timeout=100))
@@ -99,6 +100,12 @@ class ClientChannel(threading.Thread):
                             break
                         self._on_frames(router, decoder, frames)
                 now = time.monotonic()
+                if now - last_loop > timeout / 2:
+                    # this process was not running (SIGSTOP, a suspended VM): the clients'
+                    # silence meanwhile is ours; give each a full timeout from now
+                    for identity in self.clients:
+                        self.clients[identity] = now
+                last_loop = now
                 if now >= next_beat:
                     next_beat = now + interval
                     beat = codec.encode(m.Heartbeat(timestamp=time.time()))

@@ -91,6 +91,15 @@ class EngineCoreClient:
     def is_alive(self) -> bool:
         return self._epoch > 0 and self.dead_reason is None
 
+    def wait_connected(self, timeout_s: float) -> bool:
+        """After a lost session: wait until a new one is open (True) or ``timeout_s``
+        passes (False). Events that arrive meanwhile are kept as usual."""
+        deadline = time.monotonic() + timeout_s
+        self._drain(0.0)
+        while not self.is_alive and time.monotonic() < deadline:
+            self._drain(min(0.1, max(0.0, deadline - time.monotonic())))
+        return self.is_alive
+
     # -- requests --------------------------------------------------------------------
 
     def add_request(

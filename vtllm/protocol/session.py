@@ -120,12 +120,18 @@ class Session:
         self._next_hello = 0.0  # when to (re)send Hello while connecting
         self._next_beat = 0.0
         self._last_heard = 0.0
+        self._last_tick = 0.0
 
     def accepts(self, epoch: int) -> bool:
         """Whether a message stamped ``epoch`` may go out now (its session is the open one)."""
         return self.state is State.READY and epoch == self.epoch
 
     def tick(self, now: float) -> None:
+        if self._last_tick and now - self._last_tick > self.timeout_s / 2:
+            # this process was not running (SIGSTOP, a suspended VM): a silence measured
+            # meanwhile says nothing about the engine; give it a full timeout from now
+            self._last_heard = max(self._last_heard, now)
+        self._last_tick = now
         if self.state is State.CONNECTING:
             if now >= self._next_hello and self._send(
                 m.Hello(m.PROTOCOL_VERSION, self.client_name, self._session_id)
