@@ -139,6 +139,11 @@ class ChatMessage(msgspec.Struct):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
+    def num_content_chars(self) -> int:
+        if isinstance(self.content, list):
+            return sum(len(part.text) for part in self.content)
+        return len(self.content or "")
+
     def to_template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: content a plain string."""
         if isinstance(self.content, list):

@@ -37,6 +37,26 @@ def check_prompt_fits(
         raise OpenAIError(400, message, "invalid_request_error", param, "context_length_exceeded")
 
 
+def check_prompt_chars(
+    num_chars: int, max_chars_per_token: int, max_model_len: int, field: str = "prompt"
+) -> None:
+    """Refuse, before tokenizing it, a prompt that cannot fit: no token stands for more
+    than ``max_chars_per_token`` characters, so ``num_chars`` characters need at least
+    ``num_chars / max_chars_per_token`` tokens. Raises OpenAIError(400) naming the numbers."""
+    max_chars = max_model_len * max_chars_per_token
+    if num_chars > max_chars:
+        raise OpenAIError(
+            400,
+            f"{field} has {num_chars} characters; no token of this model stands for more than "
+            f"{max_chars_per_token}, so it needs at least {-(-num_chars // max_chars_per_token)} "
+            f"tokens, but max_model_len is {max_model_len} (at most {max_chars} characters); "
+            "shorten the prompt or raise --max-model-len",
+            "invalid_request_error",
+            field,
+            "context_length_exceeded",
+        )
+
+
 def resolve_max_tokens(
     requested: int | None,
     default_max_tokens: int | None,

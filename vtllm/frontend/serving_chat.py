@@ -28,6 +28,7 @@ from vtllm.frontend.openai_types import (
 )
 from vtllm.frontend.sampling import (
     build_sampling_params,
+    check_prompt_chars,
     check_prompt_fits,
     check_token_ids,
     choice_seed,
@@ -184,6 +185,9 @@ def build_chat_jobs(
     _check_supported(request)
     check_token_ids(request.stop_token_ids or [], ctx.vocab_size, "stop_token_ids")
     logit_bias = parse_logit_bias(request.logit_bias, ctx.vocab_size)
+    # the template renders every message's content: too many characters cannot fit
+    num_chars = sum(message.num_content_chars() for message in request.messages)
+    check_prompt_chars(num_chars, ctx.tokenizer.max_chars_per_token, ctx.max_model_len, "messages")
     prompt_ids = chat_prompt_token_ids(
         ctx,
         request.messages,
@@ -233,7 +237,7 @@ async def create_chat_completion(
     ctx.check_model(request.model)
     response_id = new_id("chatcmpl")
     tool_plan = plan_tools(ctx, request)
-    jobs = build_chat_jobs(ctx, request, response_id)
+    jobs = await ctx.off_loop(len(body), build_chat_jobs, ctx, request, response_id)
     if request.stream:
         return StreamingResponse(
             _stream(ctx, request, jobs, response_id, tool_plan),

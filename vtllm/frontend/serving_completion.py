@@ -16,6 +16,7 @@ from vtllm.frontend.logprobs import completion_logprobs
 from vtllm.frontend.openai_types import CompletionRequest, bad_request, decode_body
 from vtllm.frontend.sampling import (
     build_sampling_params,
+    check_prompt_chars,
     check_prompt_fits,
     check_token_ids,
     choice_seed,
@@ -52,6 +53,7 @@ def _check_supported(ctx: ServingContext, request: CompletionRequest) -> None:
 
 def _tokenize(ctx: ServingContext, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
+        check_prompt_chars(len(prompt), ctx.tokenizer.max_chars_per_token, ctx.max_model_len)
         return ctx.tokenizer.encode(prompt, add_special_tokens=True)
     check_token_ids(prompt, ctx.vocab_size)
     return prompt
@@ -109,7 +111,9 @@ async def create_completion(
     request = decode_body(body, CompletionRequest)
     ctx.check_model(request.model)
     response_id = new_id("cmpl")
-    jobs, prompt_texts = build_completion_jobs(ctx, request, response_id)
+    jobs, prompt_texts = await ctx.off_loop(
+        len(body), build_completion_jobs, ctx, request, response_id
+    )
     if request.stream:
         return StreamingResponse(
             _stream(ctx, request, jobs, prompt_texts, response_id),

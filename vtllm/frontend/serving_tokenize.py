@@ -46,7 +46,9 @@ async def tokenize(
     if isinstance(request, TokenizeChatRequest):
         if "prompt" in msgspec.json.decode(body, type=dict[str, msgspec.Raw]):
             raise bad_request("send either prompt or messages, not both", "prompt")
-        tokens = chat_prompt_token_ids(
+        tokens = await ctx.off_loop(
+            len(body),
+            chat_prompt_token_ids,
             ctx,
             request.messages,
             request.add_generation_prompt,
@@ -56,7 +58,9 @@ async def tokenize(
             request.add_special_tokens,
         )
     else:
-        tokens = ctx.tokenizer.encode(request.prompt, request.add_special_tokens)
+        tokens = await ctx.off_loop(
+            len(body), ctx.tokenizer.encode, request.prompt, request.add_special_tokens
+        )
     result: dict[str, Any] = {
         "tokens": tokens,
         "count": len(tokens),
@@ -75,5 +79,5 @@ async def detokenize(
     ctx.check_model(request.model)
     check_token_ids(request.tokens, ctx.vocab_size, "tokens")
     # special tokens kept, so that tokenize → detokenize gives the text back
-    prompt = ctx.tokenizer.decode(request.tokens, skip_special_tokens=False)
+    prompt = await ctx.off_loop(len(body), ctx.tokenizer.decode, request.tokens, False)
     return json_response({"prompt": prompt})

@@ -94,8 +94,15 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+# Longer decodes go through ``decode_batch``, which releases the GIL (``decode`` does not).
+_DECODE_RELEASING_GIL_MIN_TOKENS = 256
+
+
 class ModelTokenizer:
-    """Encode, decode and chat-template for one model. Thread-safe for reads."""
+    """Encode, decode and chat-template for one model. Thread-safe for reads.
+
+    ``encode`` and long ``decode`` calls release the GIL (the tokenizers library's batch
+    entry points), so running them on a worker thread keeps the event loop free."""
 
     def __init__(
         self,
@@ -118,6 +125,13 @@ class ModelTokenizer:
             eos_ids.append(eos_id)
         # Every token id that ends generation for this model (tokenizer + generation config).
         self.eos_token_ids: list[int] = eos_ids
+        # No token stands for more characters than this (its vocabulary string, plus one
+        # for a leading space a decoder may add): a text of N characters has at least
+        # N / max_chars_per_token tokens.
+        self.max_chars_per_token = 1 + max(
+            (len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1
+        )
+        self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike[str]) -> ModelTokenizer:
@@ -151,7 +165,8 @@ class ModelTokenizer:
         """Token ids of ``text``. With ``add_special_tokens``, the tokenizer's own
         post-processor runs and a BOS is added when ``add_bos_token`` asks for one and the
         post-processor did not."""
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # the batch entry point releases the GIL while it works (single ``encode`` holds it)
+        ids = self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if (
             add_special_tokens
             and self.add_bos_token
@@ -162,7 +177,10 @@ class ModelTokenizer:
         return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        ids = list(token_ids)
+        if len(ids) >= _DECODE_RELEASING_GIL_MIN_TOKENS:
+            return self.tokenizer.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(
         self,
