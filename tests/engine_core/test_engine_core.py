@@ -295,7 +295,7 @@ def test_abort_ignores_other_clients_requests():
             "prompt has 100 tokens and max_tokens is 50",
         ),
         ([5], m.SamplingParams(top_p=0.0), "top_p must be in (0, 1]"),
-        ([5], m.SamplingParams(temperature=float("nan")), "temperature must be >= 0"),
+        ([5], m.SamplingParams(temperature=float("nan")), "temperature must be in [0, 2]"),
     ],
 )
 def test_engine_refuses_bad_requests_and_keeps_serving(prompt, params, needle):

@@ -6,7 +6,10 @@ Knobs (set before or during a test): ``token_ids``, ``first_token_delay_s``,
 ``token_interval_s``, ``silent`` (stop answering anything, heartbeats included),
 ``send_dead(reason)``, ``send_raw(frame)``, ``send_stats(stats)`` (an ``EngineOutputs``
 with only ``SchedulerStats``), ``report_before_first_token`` (an empty output as soon as a
-request arrives, as an engine reporting its scheduling would). Utility calls are answered with
+request arrives, as an engine reporting its scheduling would), ``guard_max_model_len`` (refuse
+requests with the real engine guard, ``validate_request``, at this max_model_len instead of
+the advertised one, as an engine restarted with another limit would), ``unavailable`` (refuse
+every request with ``ErrorCode.UNAVAILABLE`` and this reason). Utility calls are answered with
 ``[method, *args]`` (or an error for method "fail"). It records ``added`` and ``aborted`` request ids.
 """
 
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from vtllm.engine_core.guards import validate_request
 from vtllm.protocol import codec
 from vtllm.protocol import messages as m
 
@@ -38,7 +42,7 @@ class FakeEngine:
         token_ids: list[int],
         max_model_len: int = 256,
         vocab_size: int = 1000,
-        eos_token_ids: tuple[int, ...] = (0,),
+        eos_token_ids: tuple[int, ...] = (0, 2),  # the test tokenizer's
         model: str = "fake-model",
     ) -> None:
         self.address = address
@@ -52,6 +56,8 @@ class FakeEngine:
         self.refuse_reason: str | None = None
         self.silent = False
         self.report_before_first_token = False
+        self.guard_max_model_len: int | None = None
+        self.unavailable: str | None = None
         # engine-side (queue, prefill) seconds sent with each request's first token
         self.first_token_timings: tuple[float, float] | None = None
         self.added: list[m.AddRequest] = []
@@ -141,6 +147,10 @@ class FakeEngine:
         elif isinstance(msg, m.AddRequest):
             with self._lock:
                 self.added.append(msg)
+            refusal = self._refusal(msg)
+            if refusal is not None:
+                sock.send_multipart([identity, codec.encode(m.EngineOutputs([refusal]))])
+                return
             due = time.monotonic() + self.first_token_delay_s
             self._live[msg.request_id] = _Live(identity, msg, 0, due)
             if self.report_before_first_token:
@@ -163,6 +173,28 @@ class FakeEngine:
             sock.send_multipart([identity, codec.encode(reply)])
         elif isinstance(msg, m.Goodbye):
             self.goodbyes += 1
+
+    def _refusal(self, add: m.AddRequest) -> m.RequestOutput | None:
+        code, message, param = None, None, None
+        if self.unavailable is not None:
+            code, message = m.ErrorCode.UNAVAILABLE, self.unavailable
+        elif self.guard_max_model_len is not None:
+            refusal = validate_request(
+                add.prompt_token_ids, add.sampling_params, self.guard_max_model_len, self.vocab_size
+            )
+            if refusal is not None:
+                code, message, param = m.ErrorCode.INVALID_REQUEST, refusal.message, refusal.param
+        if code is None:
+            return None
+        return m.RequestOutput(
+            add.request_id,
+            [],
+            m.FinishReason.ERROR,
+            error=message,
+            num_prompt_tokens=len(add.prompt_token_ids),
+            error_code=code,
+            error_param=param,
+        )
 
     def _emit_due(self, sock: zmq.Socket) -> None:
         now = time.monotonic()

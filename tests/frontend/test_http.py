@@ -198,7 +198,7 @@ async def test_unsupported_fields_are_400_not_ignored(serve) -> None:
         (CHAT, {**user, "functions": [{"name": "f"}]}, "functions", "send tools"),
         (CHAT, {**user, "top_logprobs": 3}, "top_logprobs", "logprobs: true"),
         (CHAT, {**user, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
-        (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [10**6]}, "stop_token_ids", "range"),
+        (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [10**6]}, "stop_token_ids", "vocabulary"),
         (COMPLETIONS, {"prompt": "Hi", "priority": 2**70}, "priority", "<="),
         (COMPLETIONS, {"prompt": "Hi", "seed": -(2**64)}, "seed", ">="),
     ]

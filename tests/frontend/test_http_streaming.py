@@ -149,3 +149,30 @@ async def test_engine_dead_mid_stream_sends_error_event(serve) -> None:
     assert (await served.http.get("/health")).status_code == 503
     r = await served.http.post(CHAT, json={**USER, "stream": True})
     assert r.status_code == 503
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_an_engine_refusal_is_a_400_naming_the_field(serve, path: str) -> None:
+    """The engine core's own guard refuses what the frontend let through (its limit changed
+    since the handshake): the client gets a 400 naming the field, never a 500."""
+    served = await serve()
+    served.fake.guard_max_model_len = 4
+    body = {**USER} if path == CHAT else {"prompt": "Hello world! The quick brown fox."}
+    r = await served.http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] in ("messages", "prompt")
+    assert "max_model_len is 4" in error["message"]
+    r = await served.http.post(path, json={**body, "stream": True})
+    payloads = parse_sse(r.text)
+    assert payloads[-1] == "[DONE]"
+    error = json.loads(payloads[-2])["error"]
+    assert error["type"] == "invalid_request_error" and "max_model_len is 4" in error["message"]
+    assert error["param"] == "prompt"
+
+
+async def test_an_engine_that_cannot_serve_now_is_a_503(serve) -> None:
+    served = await serve()
+    served.fake.unavailable = "the engine core is shutting down"
+    r = await served.http.post(COMPLETIONS, json={"prompt": "Hi"})
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text

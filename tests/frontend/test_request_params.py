@@ -121,9 +121,9 @@ def test_sampling_params_mapping() -> None:
         b'{"temperature": 0, "top_k": -1, "stop_token_ids": [7], "seed": 5, "min_tokens": 2}',
         ChatCompletionRequest,
     )
-    params = build_sampling_params(request, None, choice_seed(request.seed, 1), [2, 7])
+    params = build_sampling_params(request, None, choice_seed(request.seed, 1))
     assert params.temperature == 0.0 and params.top_k == 0
-    assert params.stop_token_ids == [7, 2]
+    assert params.stop_token_ids == [7]  # EOS is the engine core's to decide, not added here
     assert params.seed == 6 and params.min_tokens == 2 and params.max_tokens is None
     ignoring = decode_body(b'{"ignore_eos": true}', ChatCompletionRequest)
-    assert build_sampling_params(ignoring, 3, None, [2]).stop_token_ids == []
+    assert build_sampling_params(ignoring, 3, None).ignore_eos

@@ -18,6 +18,7 @@ from vtllm.engine_core.request import Request, RequestStatus
 from vtllm.engine_core.scheduler import Scheduler
 from vtllm.engine_core.step_log import HeartbeatSnapshot, LoopCounters, PrefillProgress
 from vtllm.protocol import messages as m
+from vtllm.protocol.limits import Refusal, resolve_max_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -86,31 +87,34 @@ class EngineCore:
 
     def add_request(self, client_id: ClientId, add: m.AddRequest) -> Outputs:
         """Admit a request, or finish it at once with an error that says why."""
-        error = None
+        refusal = None
         if add.request_id in self.scheduler.requests:
-            error = f"request id {add.request_id!r} is already in use; send a unique id"
-        if error is None:
-            error = validate_request(
+            message = f"request id {add.request_id!r} is already in use; send a unique id"
+            refusal = Refusal(message, "request_id")
+        if refusal is None:
+            refusal = validate_request(
                 add.prompt_token_ids,
                 add.sampling_params,
                 self.facts.max_model_len,
                 self.facts.vocab_size,
             )
-        if error is not None:
-            logger.warning("refused request %s: %s", add.request_id, error)
+        if refusal is not None:
+            logger.warning("refused request %s: %s", add.request_id, refusal.message)
             output = m.RequestOutput(
                 request_id=add.request_id,
                 new_token_ids=[],
                 finish_reason=m.FinishReason.ERROR,
-                error=error,
+                error=refusal.message,
                 num_prompt_tokens=len(add.prompt_token_ids),
+                error_code=m.ErrorCode.INVALID_REQUEST,
+                error_param=refusal.param,
             )
             return [(client_id, output)]
 
         num_prompt = len(add.prompt_token_ids)
-        max_tokens = add.sampling_params.max_tokens
-        if max_tokens is None:  # unset: as long as the context allows
-            max_tokens = self.facts.max_model_len - num_prompt
+        max_tokens = resolve_max_tokens(
+            add.sampling_params.max_tokens, num_prompt, self.facts.max_model_len
+        )
         request = Request(
             request_id=add.request_id,
             client_id=client_id,

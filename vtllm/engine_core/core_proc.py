@@ -137,6 +137,7 @@ class EngineCoreProc:
                 error="the engine core is shutting down and accepts no new requests; "
                 "send it to another server or retry after the restart",
                 num_prompt_tokens=len(message.prompt_token_ids),
+                error_code=m.ErrorCode.UNAVAILABLE,
             )
             self._publish([(client_id, refusal)], None)
         elif isinstance(message, m.AddRequest):

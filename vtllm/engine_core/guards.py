@@ -13,7 +13,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from vtllm.protocol.limits import prompt_too_long_message
+from vtllm.protocol.limits import (
+    Refusal,
+    prompt_too_long_message,
+    sampling_problems,
+    token_id_problem,
+)
 from vtllm.protocol.messages import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -91,40 +96,27 @@ def check_kv_cache_fits(
 
 def validate_request(
     prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int
-) -> str | None:
-    """Everything that would make a request unservable, as one message (None = valid).
-
-    The frontend checks the same; this is for clients that talk ZMQ directly.
-    """
+) -> Refusal | None:
+    """Everything that would make a request unservable, as one ``Refusal`` naming the
+    first field at fault (None = valid). The rules are ``protocol.limits``, the same the
+    HTTP frontend applies; this is for clients that talk ZMQ directly."""
     if not prompt_token_ids:
-        return "prompt is empty; send at least one token"
-    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        return f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
-    max_tokens = params.max_tokens
-    if max_tokens is not None and max_tokens < 1:
-        return f"max_tokens must be >= 1 or unset, got {max_tokens}"
-    problems = []
-    if not params.temperature >= 0.0:
-        problems.append(f"temperature must be >= 0, got {params.temperature}")
-    if not 0.0 < params.top_p <= 1.0:
-        problems.append(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.top_k < 0:
-        problems.append(f"top_k must be >= 0 (0 = off), got {params.top_k}")
-    if not 0.0 <= params.min_p <= 1.0:
-        problems.append(f"min_p must be in [0, 1], got {params.min_p}")
-    if not params.repetition_penalty > 0.0:
-        problems.append(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
-    if params.min_tokens < 0:
-        problems.append(f"min_tokens must be >= 0, got {params.min_tokens}")
-    if params.logprobs is not None and not 0 <= params.logprobs <= 20:
-        problems.append(f"logprobs must be in [0, 20], got {params.logprobs}")
-    if any(not 0 <= t < vocab_size for t in params.logit_bias):
-        problems.append(f"logit_bias keys must be token ids in [0, {vocab_size})")
-    if any(not -100.0 <= b <= 100.0 for b in params.logit_bias.values()):
-        problems.append("logit_bias values must be in [-100, 100]")
-    if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
-        problems.append(f"stop_token_ids must be in [0, {vocab_size})")
+        return Refusal("prompt is empty; send at least one token", "prompt")
+    problem = token_id_problem(prompt_token_ids, vocab_size, "prompt")
+    if problem is not None:
+        return Refusal(problem, "prompt")
+    problems = sampling_problems(params)
+    for field, token_ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", params.logit_bias),
+    ):
+        problem = token_id_problem(token_ids, vocab_size, field)
+        if problem is not None:
+            problems.append((field, problem))
     if problems:
-        return "; ".join(problems)
-    return prompt_too_long_message(len(prompt_token_ids), max_tokens, max_model_len)
+        return Refusal("; ".join(message for _, message in problems), problems[0][0])
+    num_prompt_tokens = len(prompt_token_ids)
+    message = prompt_too_long_message(num_prompt_tokens, params.max_tokens, max_model_len)
+    if message is not None:
+        return Refusal(message, "prompt" if num_prompt_tokens >= max_model_len else "max_tokens")
+    return None

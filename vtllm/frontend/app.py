@@ -94,6 +94,14 @@ def build_context(
     if ready is None:
         raise RuntimeError("build_app needs a connected engine client (call connect first)")
     tokenizer = ModelTokenizer.from_dir(model_dir)
+    unknown_eos = [i for i in tokenizer.eos_token_ids if i not in ready.eos_token_ids]
+    if unknown_eos:  # the engine core decides EOS; say so if it disagrees with the tokenizer
+        logger.warning(
+            "the tokenizer's eos ids %s are not among the engine core's %s; generation "
+            "does not stop on them (is the engine serving another model directory?)",
+            unknown_eos,
+            ready.eos_token_ids,
+        )
     name = _served_name(config, model_dir, engine_client)
     aliases = tuple({ready.model, config.model.model or "", Path(model_dir).name} - {"", name})
     return ServingContext(
@@ -103,7 +111,6 @@ def build_context(
         max_model_len=ready.max_model_len,
         vocab_size=ready.vocab_size or tokenizer.vocab_size,
         default_max_tokens=config.frontend.default_max_tokens,
-        extra_stop_token_ids=[i for i in tokenizer.eos_token_ids if i not in ready.eos_token_ids],
         model_aliases=aliases,
         tool_call_parser=config.frontend.tool_call_parser,
     )

@@ -19,11 +19,19 @@ from vtllm.frontend.drain import Drain
 from vtllm.frontend.openai_types import OpenAIError
 from vtllm.frontend.tokenizer import ModelTokenizer
 from vtllm.protocol.async_client import EngineClient, EngineDeadError
-from vtllm.protocol.messages import FinishReason, SamplingParams
+from vtllm.protocol.messages import ErrorCode, FinishReason, SamplingParams
 
 
 class GenerationError(RuntimeError):
-    """The engine ended a request with FinishReason.ERROR."""
+    """The engine ended a request with FinishReason.ERROR; ``code`` and ``param`` are its
+    output's ``error_code`` and ``error_param`` (None from an engine that sends none)."""
+
+    def __init__(
+        self, message: str, code: ErrorCode | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
 
 
 @dataclass
@@ -85,7 +93,11 @@ async def run_choice(
     async with contextlib.aclosing(outputs):
         async for output in outputs:
             if output.finish_reason == FinishReason.ERROR:
-                raise GenerationError(output.error or "the engine failed this request")
+                raise GenerationError(
+                    output.error or "the engine failed this request",
+                    output.error_code,
+                    output.error_param,
+                )
             delta = text.push(output.new_token_ids, output.stop_token_id)
             finish: str | None = None
             if text.stopped_by_string:
@@ -203,6 +215,10 @@ def error_for(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, f"engine core is not available: {exc}", "service_unavailable")
+    if isinstance(exc, GenerationError) and exc.code == ErrorCode.INVALID_REQUEST:
+        return OpenAIError(400, str(exc), "invalid_request_error", exc.param)
+    if isinstance(exc, GenerationError) and exc.code == ErrorCode.UNAVAILABLE:
+        return OpenAIError(503, str(exc), "service_unavailable")
     if isinstance(exc, GenerationError):
         return OpenAIError(500, f"generation failed: {exc}", "internal_server_error")
     return OpenAIError(500, f"internal error: {exc!r}", "internal_server_error")

@@ -19,16 +19,18 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
+from vtllm.protocol.limits import INT64_MAX, INT64_MIN, LOGIT_BIAS_RANGE, sampling_meta
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_INT64_MAX = 2**63 - 1
 # Every integer that travels to the engine fits in int64 (the msgpack wire format).
-Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=_INT64_MAX)]
-NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=_INT64_MAX)]
-Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+# The bounds of the sampling fields are the protocol's (protocol/limits.py), so the
+# engine core never refuses what this schema accepted.
+TopLogprobs = Annotated[int, sampling_meta("logprobs")]
 
 
 class OpenAIError(Exception):
@@ -166,28 +168,28 @@ class _SamplingFields(msgspec.Struct):
     """Fields shared by chat and completion requests."""
 
     model: str | None = None
+    # 0 or negative = unset (as OpenAI clients send -1 for "no limit"): any int64
     max_tokens: Int64 | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=-1, le=_INT64_MAX)] | None = None  # -1 or 0 = off
-    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
-    # seed + choice index must still fit in uint64 on the wire
-    seed: Int64 | None = None
+    temperature: Annotated[float, sampling_meta("temperature")] | None = None
+    top_p: Annotated[float, sampling_meta("top_p")] | None = None
+    top_k: Annotated[int, sampling_meta("top_k")] | None = None  # -1 or 0 = off
+    min_p: Annotated[float, sampling_meta("min_p")] | None = None
+    seed: Annotated[int, sampling_meta("seed")] | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegInt] | None = None
     ignore_eos: bool = False
-    min_tokens: NonNegInt = 0
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] | None = None
+    min_tokens: Annotated[int, sampling_meta("min_tokens")] = 0
+    presence_penalty: Annotated[float, sampling_meta("presence_penalty")] | None = None
+    frequency_penalty: Annotated[float, sampling_meta("frequency_penalty")] | None = None
+    repetition_penalty: Annotated[float, sampling_meta("repetition_penalty")] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: Int64 = 0
     cache_salt: str | None = None
     # token id (as a JSON object key) → bias added to its logit, -100..100
-    logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: dict[str, Annotated[float, LOGIT_BIAS_RANGE.meta()]] | None = None
     prompt_logprobs: Annotated[None, _off("only null")] = None
     use_beam_search: Annotated[Literal[False], _off("only false")] = False
     include_stop_str_in_output: Annotated[Literal[False], _off("only false")] = False

@@ -3,6 +3,13 @@
 ``max_tokens`` (or ``max_completion_tokens``) absent, null, 0 or negative means "unset":
 the serving default (``--default-max-tokens``) if configured, else None so the engine
 core resolves it to ``max_model_len - prompt tokens``. There is no hidden small constant.
+
+Every rule here is the protocol's (``protocol/limits.py``), applied early so that a bad
+request is a 400 before it reaches the engine core, which checks the same rules again.
+Who decides what, once: the engine core decides EOS (its model's eos ids, unless
+``ignore_eos``) and ``max_tokens``'s unset value (``limits.resolve_max_tokens``); the
+frontend decides stop strings (``detokenizer.StopStringMatcher``: the engine never sees
+text).
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vtllm.frontend.openai_types import OpenAIError, _SamplingFields, bad_request
+from vtllm.protocol import limits
 from vtllm.protocol.limits import prompt_too_long_message
 from vtllm.protocol.messages import SamplingParams
 
@@ -69,7 +77,8 @@ def resolve_max_tokens(
     if explicit is not None:
         return explicit
     if default_max_tokens is not None and default_max_tokens > 0:
-        return max(1, min(default_max_tokens, max_model_len - num_prompt_tokens))
+        room = limits.resolve_max_tokens(None, num_prompt_tokens, max_model_len)
+        return max(1, min(default_max_tokens, room))
     return None
 
 
@@ -77,15 +86,12 @@ def build_sampling_params(
     request: _SamplingFields,
     max_tokens: int | None,
     seed: int | None,
-    extra_stop_token_ids: Sequence[int] = (),
     logprobs: int | None = None,
     logit_bias: dict[int, float] | None = None,
 ) -> SamplingParams:
-    """``SamplingParams`` for one engine request. ``extra_stop_token_ids`` (the model's eos
-    tokens the engine may not know of) are added unless the request ignores eos."""
+    """``SamplingParams`` for one engine request: the request's own values, "off" where it
+    left them out. EOS is not added here: the engine core decides it."""
     stop_token_ids = list(request.stop_token_ids or [])
-    if not request.ignore_eos:
-        stop_token_ids += [i for i in extra_stop_token_ids if i not in stop_token_ids]
     top_k = request.top_k if request.top_k is not None and request.top_k > 0 else 0
     return SamplingParams(
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -129,13 +135,14 @@ def parse_logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int,
 
 
 def choice_seed(seed: int | None, choice_idx: int) -> int | None:
-    """n > 1: each choice gets seed + i, so choices differ yet stay reproducible."""
-    return None if seed is None else seed + choice_idx
+    """n > 1: each choice gets seed + i (wrapping within int64, the protocol's seed range),
+    so choices differ yet stay reproducible."""
+    if seed is None:
+        return None
+    return (seed + choice_idx - limits.INT64_MIN) % 2**64 + limits.INT64_MIN
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, field: str = "prompt") -> None:
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise bad_request(
-            f"token id {bad[0]} is out of range; the vocabulary has {vocab_size} tokens", field
-        )
+    problem = limits.token_id_problem(token_ids, vocab_size, field)
+    if problem is not None:
+        raise bad_request(problem, field)

@@ -218,7 +218,6 @@ def build_chat_jobs(
                 request,
                 max_tokens,
                 choice_seed(request.seed, i),
-                ctx.extra_stop_token_ids,
                 logprobs,
                 logit_bias,
             ),

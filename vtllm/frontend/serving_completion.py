@@ -83,7 +83,6 @@ def build_completion_jobs(
                 request,
                 max_tokens,
                 choice_seed(request.seed, i),
-                ctx.extra_stop_token_ids,
                 logprobs,
                 logit_bias,
             )

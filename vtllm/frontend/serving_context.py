@@ -38,8 +38,6 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     default_max_tokens: int | None = None
-    # eos ids of the tokenizer / generation config that the engine's Ready did not list
-    extra_stop_token_ids: list[int] = field(default_factory=list)
     model_aliases: tuple[str, ...] = ()
     tool_call_parser: str | None = None  # --tool-call-parser
     drain: Drain = field(default_factory=Drain)  # graceful stop (drain.py)

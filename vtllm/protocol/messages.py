@@ -48,13 +48,24 @@ class FinishReason(enum.IntEnum):
         return ("stop", "length", "abort", "error")[self]
 
 
+class ErrorCode(enum.IntEnum):
+    """What kind of failure a ``FinishReason.ERROR`` is (``RequestOutput.error_code``), so
+    a frontend can answer as HTTP would: 400, 503 or 500."""
+
+    INVALID_REQUEST = 0  # the request breaks a rule (``error_param`` names the field)
+    UNAVAILABLE = 1  # the engine cannot serve it now (stopping, workers lost): retry elsewhere
+    INTERNAL = 2  # the engine or the model failed on it
+
+
 # ---------------------------------------------------------------------------------------
 # Shared parts
 
 
 class SamplingParams(_Part):
-    """How to pick each next token. Validated by whoever builds it (frontend) and again by
-    the engine core (clients may bypass the frontend).
+    """How to pick each next token. The bounds of every field are in
+    ``protocol/limits.py`` (``SAMPLING_RANGES``): the frontend's request schema is built
+    from them and the engine core checks every request against them again (clients may
+    bypass the frontend).
 
     ``max_tokens`` None means unset: the engine core resolves it to
     ``max_model_len - num_prompt_tokens``.
@@ -172,6 +183,9 @@ class RequestOutput(_Part):
     # from the engine receiving it to its first scheduling, and from then to that token.
     queue_time_s: float | None = None
     prefill_time_s: float | None = None
+    # with FinishReason.ERROR: what kind of failure, and the request field at fault
+    error_code: ErrorCode | None = None
+    error_param: str | None = None
 
 
 class EngineOutputs(_Message, tag="outputs"):

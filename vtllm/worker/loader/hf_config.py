@@ -19,7 +19,11 @@ def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
 
 
 def eos_token_ids(model_dir: str | Path, hf_config: dict[str, Any]) -> list[int]:
-    """EOS ids from generation_config.json, else config.json; each may be an int or list."""
+    """Every token id that ends generation for this model: generation_config.json's
+    ``eos_token_id`` (else config.json's; an int or a list), plus tokenizer_config.json's
+    ``eos_token`` (a chat model's end-of-turn token is often only there). The engine core
+    decides EOS from this list alone; frontends add nothing to it."""
+    ids: list[int] = []
     sources = [hf_config]
     generation_path = Path(model_dir) / "generation_config.json"
     if generation_path.is_file():
@@ -27,8 +31,31 @@ def eos_token_ids(model_dir: str | Path, hf_config: dict[str, Any]) -> list[int]
     for source in sources:
         value = source.get("eos_token_id")
         if value is not None:
-            return [int(v) for v in (value if isinstance(value, list) else [value])]
-    return []
+            ids = [int(v) for v in (value if isinstance(value, list) else [value])]
+            break
+    tokenizer_eos = _tokenizer_eos_id(Path(model_dir))
+    if tokenizer_eos is not None and tokenizer_eos not in ids:
+        ids.append(tokenizer_eos)
+    return ids
+
+
+def _tokenizer_eos_id(model_dir: Path) -> int | None:
+    """The id of tokenizer_config.json's ``eos_token`` in tokenizer.json, if both exist."""
+    config_path, tokenizer_path = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
+    if not (config_path.is_file() and tokenizer_path.is_file()):
+        return None
+    eos = json.loads(config_path.read_text()).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(eos, str):
+        return None
+    tokenizer = json.loads(tokenizer_path.read_text())
+    for added in tokenizer.get("added_tokens", []):
+        if added.get("content") == eos:
+            return int(added["id"])
+    vocab = tokenizer.get("model", {}).get("vocab")
+    if isinstance(vocab, dict) and eos in vocab:
+        return int(vocab[eos])
+    return None
 
 
 def model_facts(
