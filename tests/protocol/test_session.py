@@ -135,9 +135,15 @@ def test_engine_dead_is_final_without_reconnect_and_not_with_it():
     session.on_message(m.EngineDead("worker 0 died"), T0 + 1)
     assert wire.events == [SessionLost("engine core died: worker 0 died", True)]
     session, wire = _open(reconnect=True)
+    _run(session, 0, 1)
     session.on_message(m.EngineDead("stopping"), T0 + 1)
     assert wire.events == [SessionLost("engine core died: stopping", False)]
     assert session.state is State.CONNECTING
+    # not straight back to the engine core that is going down: after a timeout
+    _run(session, 1, 5.9)
+    assert len(wire.hellos()) == 1
+    _run(session, 5.9, 6.1)
+    assert len(wire.hellos()) == 2
 
 
 def test_probe_exit_is_final_even_with_reconnect():

@@ -119,7 +119,7 @@ class ClientChannel(threading.Thread):
                             self._end_session(
                                 identity,
                                 f"this client was silent for {now - last:.1f}s "
-                                f"(VT_HEARTBEAT_TIMEOUT_S={timeout:g}s) and was dropped; "
+                                f"(VT_HEARTBEAT_TIMEOUT_S={timeout:g}s) and was dropped, and "
                                 "the engine aborted its requests",
                             )
                         else:
@@ -203,7 +203,7 @@ class ClientChannel(threading.Thread):
             self._told[identity] = None
             while len(self._told) > _MAX_DROPPED_REMEMBERED:
                 self._told.popitem(last=False)
-        return f"{reason}; say hello again (engine {self.ready.engine_id or '?'})"
+        return f"{reason} (engine {self.ready.engine_id or '?'})"
 
     def stop(self) -> None:
         self._stop_event.set()

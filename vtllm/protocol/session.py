@@ -174,7 +174,14 @@ class Session:
             if connecting:
                 self._refused(f"engine core refused the connection: {message.reason}", now)
             else:
-                self._lose(f"engine core died: {message.reason}", final=not self.reconnect, now=now)
+                # it is going down: a Hello at once could reach it before it is gone (a
+                # restarted engine core loads its model first, which takes longer anyway)
+                self._lose(
+                    f"engine core died: {message.reason}",
+                    final=not self.reconnect,
+                    now=now,
+                    hello_after_s=self.timeout_s,
+                )
 
     def on_engine_exited(self, now: float) -> None:
         """The ``engine_alive`` probe said the engine process is gone: final."""
@@ -214,14 +221,14 @@ class Session:
         self.state = State.CLOSED
         self._emit(HandshakeFailed(reason))
 
-    def _lose(self, reason: str, *, final: bool, now: float) -> None:
+    def _lose(self, reason: str, *, final: bool, now: float, hello_after_s: float = 0.0) -> None:
         if final:
             self.state = State.CLOSED
         else:
             self.state = State.CONNECTING
             self._session_id = uuid.uuid4().hex
-            self._next_hello = now  # at once: a live engine answers within milliseconds
-            self.tick(now)
+            self._next_hello = now + hello_after_s  # at once by default: a live engine
+            self.tick(now)  # answers within milliseconds
         self._emit(SessionLost(reason, final))
 
 
