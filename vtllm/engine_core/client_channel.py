@@ -10,7 +10,9 @@ Sessions: a client's ``Hello`` opens one (``Ready``); ``Goodbye`` or silence pas
 without a session is never dropped in silence: the client gets ``SessionUnknown`` with the
 reason (it fell silent and was dropped, or this engine core restarted) and says Hello again.
 A ``Hello`` with a new ``session_id`` from a client that still has a session ends the old
-one first; the same ``session_id`` again just gets ``Ready`` again.
+one first; the same ``session_id`` again just gets ``Ready`` again. Once the engine loop has
+sent ``EngineDead`` (it is exiting), a ``Hello`` is refused with that reason, so that no
+client opens a session with an engine core that is about to vanish.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from vtllm.protocol import messages as m
 logger = logging.getLogger(__name__)
 
 _MAX_DROPPED_REMEMBERED = 1024  # clients whose drop reason is kept for SessionUnknown
+# How an outgoing EngineDead starts: [tag "dead", reason] (a 2-array, then the tag)
+_DEAD_PREFIX = codec.encode(m.EngineDead(""))[:-1]
 
 
 @dataclass
@@ -67,6 +71,7 @@ class ClientChannel(threading.Thread):
         self._dropped: OrderedDict[ClientId, str] = OrderedDict()
         self._told: OrderedDict[ClientId, None] = OrderedDict()  # warned about, bounded
         self.bound = threading.Event()
+        self._going_down: str | None = None  # the EngineDead reason, once the loop sent it
 
     def run(self) -> None:
         router = transport.configure(self.ctx.socket(zmq.ROUTER))
@@ -92,6 +97,10 @@ class ClientChannel(threading.Thread):
                         except zmq.Again:
                             break
                         self._send(router, frames[0], frames[1])
+                        if self._going_down is None and frames[1].startswith(_DEAD_PREFIX):
+                            self._going_down = (
+                                codec.engine_to_client_decoder().decode(frames[1]).reason
+                            )
                 if router in events:
                     while True:
                         try:
@@ -155,6 +164,10 @@ class ClientChannel(threading.Thread):
                 )
                 logger.warning("refused client %r: %s", message.client_name, reason)
                 self._send(router, identity, codec.encode(m.HandshakeRefused(reason)))
+                return
+            if self._going_down is not None:  # no new session with an engine that is exiting
+                refusal = f"the engine core is going down: {self._going_down}"
+                self._send(router, identity, codec.encode(m.HandshakeRefused(refusal)))
                 return
             self._open_session(router, identity, message)
             return
