@@ -148,13 +148,14 @@ class EngineClient:
         self._session.start()
         try:
             await asyncio.wait_for(asyncio.shield(self._handshake), timeout_s)
-        except (TimeoutError, HandshakeError) as e:
+        except TimeoutError:
             await self._stop_session()
-            if isinstance(e, HandshakeError):
-                raise
             raise HandshakeError(
                 f"engine core at {address} did not answer the handshake within {timeout_s:.0f}s"
             ) from None
+        except BaseException:  # refused, or the caller gave up (cancelled)
+            await self._stop_session()
+            raise
         assert self.ready is not None
         return self.ready
 
