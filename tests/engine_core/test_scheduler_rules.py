@@ -105,6 +105,27 @@ def test_threshold_must_not_be_negative():
         config.validate()
 
 
+def test_preempting_a_request_already_scheduled_this_step_undoes_its_chunk():
+    # 5 usable blocks of 4. "low" (10 tokens, 3 blocks) runs first; "high" (8 tokens, 2
+    # blocks) fills the pool. In step 3 "low" is scheduled (no new block needed), then
+    # "high" needs a block: the victim is "low", so its chunk is taken back in that step.
+    core, executor = make_core(num_blocks=6, block_size=4, max_model_len=20, policy="priority")
+    low_params = m.SamplingParams(temperature=0.0, max_tokens=10)
+    core.add_request(b"c", m.AddRequest("low", prompt_of(10, 1), low_params, priority=5))
+    low = core.scheduler.requests["low"]
+    seen = core.step()[0]
+    high_params = m.SamplingParams(temperature=0.0, max_tokens=8)
+    core.add_request(b"c", m.AddRequest("high", prompt_of(8, 2), high_params, priority=0))
+    seen += core.step()[0] + core.step()[0]
+    assert executor.steps[2].num_scheduled_tokens == {"high": 1}
+    assert executor.steps[2].finished_request_ids == ["low"]
+    out = run_to_completion(core)
+    assert low.num_preemptions == 1
+    for rid, prompt, num in (("low", prompt_of(10, 1), 10), ("high", prompt_of(8, 2), 8)):
+        early = [t for _, o in seen if o.request_id == rid for t in o.new_token_ids]
+        assert early + out[rid].new_token_ids == expected_tokens(prompt, num)
+
+
 # -- a token that was due and never came ---------------------------------------------
 
 
