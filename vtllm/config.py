@@ -151,11 +151,11 @@ class SchedulerConfig:
     )
     long_prefill_token_threshold: int = _opt(
         512,
-        "Most prompt tokens one request may prefill in a step while other requests are "
-        "waiting or running, so a short request admitted meanwhile gets its first token "
-        "after about one capped step instead of after the whole long prefill (decodes "
-        "keep flowing too). A lone request still uses the whole --max-num-batched-tokens "
-        "budget. 0 turns the cap off.",
+        "Most prompt tokens one request prefills in one step. Long prompts then go in "
+        "short steps, and a request that arrives meanwhile gets its first token after "
+        "about one such step instead of after the whole long prefill (decodes keep "
+        "flowing too); the rest of --max-num-batched-tokens serves the others. 0: no cap, "
+        "a prefill takes the whole budget.",
     )
 
 

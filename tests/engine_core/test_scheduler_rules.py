@@ -33,10 +33,11 @@ def steps_until_first_token(core, request_id: str, max_steps: int = 100) -> tupl
     raise AssertionError(f"{request_id} got no token in {max_steps} steps")
 
 
-@pytest.mark.parametrize(("threshold", "max_steps_to_first_token"), [(16, 1), (0, 6)])
-def test_short_request_first_token_while_long_prompt_prefills(threshold, max_steps_to_first_token):
-    # Budget 64: the 400-token prompt needs 7 steps alone. With the cap, a short
-    # request sent after its first chunk gets its first token in the very next step.
+@pytest.mark.parametrize("threshold", [16, 0])
+def test_short_request_first_token_while_long_prompt_prefills(threshold):
+    # Budget 64: without a cap the 400-token prompt takes all of 7 steps, and a short
+    # request sent after the first one waits 6 more; with the cap it gets its first token
+    # in the very next step.
     core, executor = make_core(
         num_blocks=160,
         max_model_len=512,
@@ -46,36 +47,38 @@ def test_short_request_first_token_while_long_prompt_prefills(threshold, max_ste
     long_prompt = prompt_of(400, 1)
     add(core, "long", long_prompt, max_tokens=3)
     core.step()
-    assert executor.steps[-1].num_scheduled_tokens == {"long": 64}  # alone: whole budget
+    assert executor.steps[-1].num_scheduled_tokens == {"long": threshold or 64}
     add(core, "short", prompt_of(5, 2), max_tokens=2)
     num_steps, seen = steps_until_first_token(core, "short")
     if threshold:
         assert num_steps == 1
         assert executor.steps[-1].num_scheduled_tokens == {"long": 16, "short": 5}
     else:  # the old behaviour: the long prefill takes every step's budget until done
-        assert num_steps == max_steps_to_first_token
+        assert num_steps == 6
     out = run_to_completion(core)
     long_tokens = [t for o in seen if o.request_id == "long" for t in o.new_token_ids]
     assert long_tokens + out["long"].new_token_ids == expected_tokens(long_prompt, 3)
     assert out["long"].finish_reason == m.FinishReason.LENGTH
-    # once the short one finished, the long prefill took the whole budget again
-    chunks = [s.num_scheduled_tokens.get("long", 0) for s in executor.steps]
-    assert 64 in chunks[3:]
     pool = core.scheduler.kv.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
 
 
-def test_lone_long_prompt_uses_the_whole_budget():
+@pytest.mark.parametrize(
+    ("threshold", "chunks"), [(0, [64] * 4 + [44]), (100, [64] * 4 + [44]), (48, [48] * 6 + [12])]
+)
+def test_lone_long_prompt_chunks(threshold, chunks):
+    # The cap holds for a lone prompt too (a newcomer may arrive during any step); a
+    # threshold above the budget changes nothing.
     core, executor = make_core(
         num_blocks=160,
         max_model_len=512,
         max_num_batched_tokens=64,
-        long_prefill_token_threshold=16,
+        long_prefill_token_threshold=threshold,
     )
     add(core, "long", prompt_of(300, 3), max_tokens=2)
     out = run_to_completion(core)
-    prefill = [s.num_scheduled_tokens.get("long") for s in executor.steps][:5]
-    assert prefill == [64, 64, 64, 64, 44]
+    prefill = [s.num_scheduled_tokens.get("long") for s in executor.steps][: len(chunks)]
+    assert prefill == chunks
     assert out["long"].new_token_ids == expected_tokens(prompt_of(300, 3), 2)
 
 

@@ -12,13 +12,15 @@ A waiting request that cannot get blocks now *waits* (peek and break): the start
 guard guarantees it fits once others finish or are preempted, so it is never aborted for
 transient pressure.
 
-Long prefills share the step: while other requests are unfinished, one request's chunk is
-capped at ``long_prefill_token_threshold`` so that the rest of the budget serves the
-others (a short prompt's whole prefill, decodes). A lone request takes the whole budget::
+Long prefills share the step: one request's chunk is capped at
+``long_prefill_token_threshold``, so the rest of the budget serves others (a short
+prompt's whole prefill, decodes) and no step is longer than a capped chunk. The cap holds
+for a lone long prompt too: requests arrive *during* a step, and a step already running
+cannot be cut short, so a full-budget step would make every newcomer wait for all of it::
 
-    budget 2048, threshold 512        lone long prompt     long prompt + short one
-    long  |■■■■■■■■■■■■■■■■■■■■■■■■|  2048 per step        512 per step
-    short |■|                          —                    its whole prefill, same step
+    budget 2048, threshold 512         step 1     step 2 (a short request arrived)
+    long  |■■■■■■■■■■■■■■■■■■■■■■■■|   512        512
+    short |■|                          —          its whole prefill: first token
 
 Every scheduled request whose computed tokens reach its known tokens is *due* a sampled
 token; one that gets neither a token nor an error ends with an error finish (never
@@ -148,10 +150,10 @@ class Scheduler:
 
     def _chunk_size(self, request: Request, num_computed: int, budget: int) -> int:
         """Tokens to compute for ``request`` this step: what it still needs, within the
-        budget, and within the long-prefill threshold while others are unfinished."""
+        budget and the long-prefill threshold (0 = no threshold)."""
         num_new = min(request.num_tokens - num_computed, budget)
         threshold = self.config.long_prefill_token_threshold
-        if 0 < threshold < num_new and self.num_unfinished > 1:
+        if 0 < threshold < num_new:
             num_new = threshold
         return num_new
 
