@@ -3,10 +3,11 @@ prompt is being prefilled, with ``--long-prefill-token-threshold`` on and off, t
 real ``vtllm serve`` (embedded SmolLM2 on CPU unless told otherwise).
 
     .venv/bin/python benchmarks/long_prefill_ttft.py [--prompt-tokens 6000] \
-        [--thresholds 512,0] [-- extra vtllm serve flags]
+        [--thresholds 512,0,512] [-- extra vtllm serve flags]
 
-For each threshold (0 = off, the old behaviour and the baseline of the same run) one
-server is started and measures, over HTTP (streamed chat completions, temperature 0):
+For each threshold in turn (0 = off, the old behaviour and the baseline of the same run;
+repeat values to interleave them on a noisy machine) one server is started and measures,
+over HTTP (streamed chat completions, temperature 0):
 
 - ``lone``: the long request alone — TTFT and total time (``--output-tokens`` tokens);
 - ``shared``: the same-length long request (a different prompt: no prefix-cache hit) while
@@ -14,7 +15,8 @@ server is started and measures, over HTTP (streamed chat completions, temperatur
   ``--short-delay-s`` after the long one) until the long one's first token arrives —
   the long request's TTFT and total, and every short request's TTFT.
 
-Prints one JSON object.
+Each run also lists the server's own prefill progress lines (tokens done, seconds since
+the first chunk) for both long requests. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -157,29 +160,37 @@ async def measure(url: str, args: argparse.Namespace, label: str) -> dict:
     }
 
 
+def prefill_progress(log: str) -> list[list[float]]:
+    """(tokens done, elapsed seconds) from the engine's ``prefill running/done`` lines."""
+    pattern = r"prefill (?:running|done): request=\S+ tokens=(\d+)/\d+ elapsed_s=([\d.]+)"
+    return [[int(n), float(t)] for n, t in re.findall(pattern, log)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=6000)
     parser.add_argument("--output-tokens", type=int, default=16)
-    parser.add_argument("--thresholds", default="512,0", help="comma-separated; 0 = off")
+    parser.add_argument("--thresholds", default="512,0,512", help="comma-separated; 0 = off")
     parser.add_argument("--short-delay-s", type=float, default=1.0)
     parser.add_argument("--short-gap-s", type=float, default=0.5)
     parser.add_argument("serve_args", nargs="*", help="extra `vtllm serve` flags (after --)")
     args = parser.parse_args()
 
     cache_dir = Path(tempfile.mkdtemp(prefix="vtllm-bench-cache-"))
-    results: dict = {"prompt_tokens_target": args.prompt_tokens, "runs": {}}
-    for threshold in [int(t) for t in args.thresholds.split(",")]:
-        label = f"threshold_{threshold}"
+    results: dict = {"prompt_tokens_target": args.prompt_tokens, "runs": []}
+    for i, threshold in enumerate(int(t) for t in args.thresholds.split(",")):
         server = ServerProcess(
             "--long-prefill-token-threshold", str(threshold), *args.serve_args, cache_dir=cache_dir
         ).start()
         try:
             server.wait_healthy(600)
-            results["runs"][label] = asyncio.run(measure(server.url, args, label))
+            run = {"threshold": threshold, "started": time.strftime("%H:%M:%S")}
+            run.update(asyncio.run(measure(server.url, args, f"{i}-{threshold}")))
+            run["prefill_progress"] = prefill_progress(server.log())
         finally:
             server.stop()
-        print(json.dumps({label: results["runs"][label]}), file=sys.stderr, flush=True)
+        results["runs"].append(run)
+        print(json.dumps(run), file=sys.stderr, flush=True)
     print(json.dumps(results, indent=2))
 
 
