@@ -82,6 +82,18 @@ def stop_process(process: multiprocessing.process.BaseProcess, timeout_s: float 
         process.join(5)
 
 
+def stop_resource_tracker() -> None:
+    """Stop multiprocessing's resource-tracker helper (started by spawning the engine
+    core) and reap it, so that this process exits after its last child, not before.
+    Left alone it notices our exit a moment later, racing "exit after every child"."""
+    import multiprocessing.resource_tracker as resource_tracker
+
+    stop = getattr(getattr(resource_tracker, "_resource_tracker", None), "_stop", None)
+    if stop is not None:  # CPython 3.8+; private, hence the guard
+        with contextlib.suppress(Exception):
+            stop()
+
+
 @contextlib.contextmanager
 def _stop_signals_ignored() -> Iterator[None]:
     """While stopping: a further SIGTERM / SIGINT (a second Ctrl-C, systemd's group
@@ -132,6 +144,7 @@ def serve(config: VtllmConfig) -> int:
             if engine is not None:
                 stop_process(engine, config.engine.shutdown_timeout + STOP_MARGIN_S)
             transport.remove_runtime_dir(runtime_dir)
+            stop_resource_tracker()
 
 
 def engine_core(config: VtllmConfig) -> int:

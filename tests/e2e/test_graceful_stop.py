@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from tests.e2e.server import ServerProcess, descendants, is_alive
+from tests.e2e.server import ServerProcess, cmdline, descendants, is_alive
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,8 @@ def test_sigterm_drains_streams_and_exits_0(smollm2_dir, vt_cache_dir, target: s
             error = json.loads(stream.events[-2])["error"]
             assert "shutting down" in error["message"] or "shutdown" in error["message"], error
         assert srv.wait_exit(SHUTDOWN_TIMEOUT_S + 30) == 0, srv.tail()
-        assert not [p for p in pids if is_alive(p)], "children outlived the main process"
+        survivors = {p: cmdline(p) for p in pids if is_alive(p)}
+        assert not survivors, f"children outlived the main process: {survivors}"
         assert "Traceback" not in srv.log(), srv.tail()
     finally:
         srv.stop()

@@ -272,6 +272,21 @@ def test_abort_frees_blocks_and_leaves_no_state():
     assert len(core.progress) == 0
 
 
+def test_fail_all_ends_everything_as_retryable_and_frees_the_pool():
+    core, _ = make_core()
+    for i in range(3):
+        add(core, f"r{i}", prompt_of(9, i), max_tokens=30)
+    core.step()
+    failed = core.fail_all("the workers are gone")
+    assert {o.request_id for _, o in failed} == {"r0", "r1", "r2"}
+    for _, output in failed:
+        assert output.finish_reason == m.FinishReason.ERROR
+        assert output.error == "the workers are gone"
+        assert output.error_code == m.ErrorCode.UNAVAILABLE  # HTTP 503: retry elsewhere
+    pool = core.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks and core.scheduler.requests == {}
+
+
 def test_abort_ignores_other_clients_requests():
     core, _ = make_core()
     add(core, "mine", prompt_of(5), max_tokens=3)

@@ -47,6 +47,17 @@ def test_a_healthy_worker_serves_steps_and_reports_its_phase(make_executor):
     assert "rank 0: serving for" in executor.describe_liveness()
 
 
+def test_an_idle_spell_longer_than_the_heartbeat_timeout_is_not_silence(make_executor, monkeypatch):
+    """While no step runs nobody reads the socket; the beats queued meanwhile count."""
+    monkeypatch.setenv("VT_WORKER_HEARTBEAT_TIMEOUT_S", "1.5")
+    executor = make_executor("serve")
+    executor.start()
+    executor.init_kv_cache(4, 16)
+    assert executor.execute(STEP).step_id == 1
+    time.sleep(3.0)  # idle: twice the timeout, the worker beating all along
+    assert executor.execute(STEP).step_id == 1
+
+
 def test_a_start_up_phase_past_its_bound_names_the_phase(make_executor, monkeypatch):
     monkeypatch.setenv("VT_WORKER_START_TIMEOUT_S", "1.5")
     executor = make_executor("stuck-loading")

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
+
 from vtllm.config import VtllmConfig
 from vtllm.engine_core.guards import validate_request
 from vtllm.engine_core.request import Request, RequestStatus
@@ -150,14 +152,23 @@ class EngineCore:
         return self.abort(owned, client_id)
 
     def fail_all(self, reason: str) -> Outputs:
-        """End every request with an error (the workers are gone)."""
+        """End every request with an error the client may retry elsewhere
+        (``ErrorCode.UNAVAILABLE``: the workers are gone, or the engine core stops)."""
         requests = list(self.scheduler.requests.values())
         for request in requests:
             request.error = reason
         self.scheduler.finish_requests(
             [r.request_id for r in requests], RequestStatus.FINISHED_ERROR
         )
-        return [(r.client_id, Scheduler._output(r, [])) for r in requests]
+        return [
+            (
+                r.client_id,
+                msgspec.structs.replace(
+                    Scheduler._output(r, []), error_code=m.ErrorCode.UNAVAILABLE
+                ),
+            )
+            for r in requests
+        ]
 
     # -- the step --------------------------------------------------------------------
 

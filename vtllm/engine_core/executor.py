@@ -187,6 +187,7 @@ class MultiprocExecutor:
         ``VT_STEP_TIMEOUT_S`` or a worker dies or freezes meanwhile."""
         timeout_s = envs.VT_STEP_TIMEOUT_S
         started = time.monotonic()
+        self._absorb_queued()
         self._broadcast(step)
         while True:
             elapsed = time.monotonic() - started
@@ -204,6 +205,15 @@ class MultiprocExecutor:
             if isinstance(message, m.ModelRunnerOutput) and message.step_id == step.step_id:
                 return message
             logger.warning("ignoring unexpected worker message %r", type(message).__name__)
+
+    def _absorb_queued(self) -> None:
+        """Read what the workers sent while the engine was idle (heartbeats pile up in the
+        socket while no step runs), so that a long idle spell is not taken for silence.
+        Raises ``WorkerDiedError`` for a queued ``WorkerFailure``."""
+        while self._socket.poll(0):
+            message = self._read_one()
+            if message is not None:
+                logger.warning("ignoring unexpected worker message %r", type(message).__name__)
 
     def _broadcast(self, message: Any) -> None:
         payload = codec.encode(message)
@@ -226,6 +236,10 @@ class MultiprocExecutor:
             self.check_alive()
         if not self._socket.poll(_POLL_MS):
             return None
+        return self._read_one()
+
+    def _read_one(self) -> Any:
+        """Decode one waiting message as ``_recv`` does (heartbeats recorded → None)."""
         frames = self._socket.recv_multipart()
         if len(frames) != 2:
             logger.warning("dropping a worker message of %d frames", len(frames))
