@@ -30,6 +30,7 @@ def test_platform_sees_the_gpu():
     assert platform.resolve_dtype("auto") == torch.bfloat16
     free, total = platform.memory_info()
     assert 0 < free <= total
+    torch.cuda.empty_cache()  # earlier tests' cached blocks would absorb the allocation below
     before = platform.memory_snapshot()
     assert before.non_torch > 0  # at least this process's CUDA context
     held = torch.empty(256 * 2**20, dtype=torch.uint8, device=platform.device)
