@@ -157,6 +157,23 @@ class SchedulerConfig:
         "flowing too); the rest of --max-num-batched-tokens serves the others. 0: no cap, "
         "a prefill takes the whole budget.",
     )
+    max_waiting_requests: int = _opt(
+        4096,
+        "Most requests waiting in the engine core (admitted, not yet running or "
+        "preempted), all clients together. Beyond it a new request is refused at once as "
+        "'server busy' (HTTP 503) instead of queueing without limit.",
+    )
+    max_requests_per_client: int = _opt(
+        2048,
+        "Most unfinished requests (waiting or running) one engine-core client may have; "
+        "beyond it its new requests are refused as 'server busy' (HTTP 503), so one "
+        "client cannot fill the queue. A `vtllm serve` frontend is one client.",
+    )
+    max_request_id_bytes: int = _opt(
+        256,
+        "Longest request id (UTF-8 bytes) the engine core accepts from a client; it is "
+        "echoed in every output of the request.",
+    )
 
 
 @dataclass
@@ -249,6 +266,13 @@ class VtllmConfig:
                 "--long-prefill-token-threshold must be >= 0 (0 = off), got "
                 f"{self.scheduler.long_prefill_token_threshold}"
             )
+        for flag, value in (
+            ("--max-waiting-requests", self.scheduler.max_waiting_requests),
+            ("--max-requests-per-client", self.scheduler.max_requests_per_client),
+            ("--max-request-id-bytes", self.scheduler.max_request_id_bytes),
+        ):
+            if value < 1:
+                problems.append(f"{flag} must be >= 1, got {value}")
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             problems.append(f"--max-model-len must be >= 1, got {self.model.max_model_len}")
         if self.engine.shutdown_timeout < 0:

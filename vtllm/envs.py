@@ -30,6 +30,19 @@ def _float(name: str, default: float) -> float:
     return default if value is None else value
 
 
+def _int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: write a whole number") from None
+    if number < 1:
+        raise ValueError(f"{name}={value!r}: must be at least 1")
+    return number
+
+
 def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
     value = os.environ.get(name, "").strip().lower() or default
     if value not in choices:
@@ -72,6 +85,14 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VT_ATTENTION_BACKEND": lambda: _choice(
         "VT_ATTENTION_BACKEND", ("auto", "torch", "triton"), "auto"
     ),
+    # Most stop strings in one request (HTTP schema).
+    "VT_MAX_STOP_STRINGS": lambda: _int("VT_MAX_STOP_STRINGS", 64),
+    # Most characters of one stop string (HTTP schema).
+    "VT_MAX_STOP_STRING_CHARS": lambda: _int("VT_MAX_STOP_STRING_CHARS", 1024),
+    # Most stop_token_ids in one request (HTTP schema and engine core).
+    "VT_MAX_STOP_TOKEN_IDS": lambda: _int("VT_MAX_STOP_TOKEN_IDS", 1024),
+    # Most logit_bias entries in one request (HTTP schema and engine core).
+    "VT_MAX_LOGIT_BIAS_ENTRIES": lambda: _int("VT_MAX_LOGIT_BIAS_ENTRIES", 1024),
     # Test hook: a worker sleeps this many seconds in every model execution.
     "VT_TEST_WORKER_STEP_DELAY_S": lambda: _float("VT_TEST_WORKER_STEP_DELAY_S", 0.0),
 }

@@ -270,6 +270,8 @@ class EngineMachine(RuleBasedStateMachine):
             r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in scheduler.waiting
         )
         assert set(kv.req_to_blocks) == running  # waiting requests hold nothing
+        # the per-client count (--max-requests-per-client) follows every finish path
+        assert self.core.num_unfinished(b"c") == len(scheduler.requests)
         for request in scheduler.running:
             assert len(kv.req_to_blocks[request.request_id]) * self.block_size >= (
                 request.num_computed_tokens

@@ -8,6 +8,7 @@ in sockets and a process.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -20,11 +21,20 @@ from vtllm.engine_core.request import Request, RequestStatus
 from vtllm.engine_core.scheduler import Scheduler
 from vtllm.engine_core.step_log import HeartbeatSnapshot, LoopCounters, PrefillProgress
 from vtllm.protocol import messages as m
-from vtllm.protocol.limits import Refusal, resolve_max_tokens
+from vtllm.protocol.limits import Refusal, request_id_problem, resolve_max_tokens
 
 logger = logging.getLogger(__name__)
 
 ClientId = bytes
+_BUSY_LOG_INTERVAL_S = 10.0
+_LOGGED_ID_CHARS = 64
+
+
+def _short(request_id: str) -> str:
+    """A request id fit for a log line or a message: repr, cut to a bounded length."""
+    if len(request_id) <= _LOGGED_ID_CHARS:
+        return repr(request_id)
+    return f"{request_id[:_LOGGED_ID_CHARS]!r}... ({len(request_id)} chars)"
 
 
 class Executor(Protocol):
@@ -81,6 +91,9 @@ class EngineCore:
         )
         self.counters = LoopCounters()
         self.progress = PrefillProgress()
+        self._num_unfinished: dict[ClientId, int] = {}  # client → admitted, not finished
+        self._num_busy_refused = 0
+        self._busy_logged_at = -_BUSY_LOG_INTERVAL_S
         warning = reserve_full_sequence_warning(config, facts)
         if warning is not None:
             logger.warning(warning)
@@ -88,31 +101,81 @@ class EngineCore:
     # -- requests --------------------------------------------------------------------
 
     def add_request(self, client_id: ClientId, add: m.AddRequest) -> Outputs:
-        """Admit a request, or finish it at once with an error that says why."""
-        refusal = None
-        if add.request_id in self.scheduler.requests:
-            message = f"request id {add.request_id!r} is already in use; send a unique id"
-            refusal = Refusal(message, "request_id")
-        if refusal is None:
-            refusal = validate_request(
-                add.prompt_token_ids,
-                add.sampling_params,
-                self.facts.max_model_len,
-                self.facts.vocab_size,
-            )
-        if refusal is not None:
-            logger.warning("refused request %s: %s", add.request_id, refusal.message)
-            output = m.RequestOutput(
-                request_id=add.request_id,
-                new_token_ids=[],
-                finish_reason=m.FinishReason.ERROR,
-                error=refusal.message,
-                num_prompt_tokens=len(add.prompt_token_ids),
-                error_code=m.ErrorCode.INVALID_REQUEST,
-                error_param=refusal.param,
-            )
-            return [(client_id, output)]
+        """Admit a request, or finish it at once with an error that says why.
 
+        A rule it breaks is ``ErrorCode.INVALID_REQUEST`` naming the field (HTTP 400); a
+        full queue (``--max-waiting-requests``, ``--max-requests-per-client``) is
+        ``ErrorCode.UNAVAILABLE``, "server busy" (HTTP 503). A request id the sender
+        already uses for a live request is refused with ``duplicate_id`` set, and that
+        live request goes on untouched."""
+        refusal, code, duplicate = self._refusal(client_id, add)
+        if refusal is None:
+            self._admit(client_id, add)
+            return []
+        if code == m.ErrorCode.UNAVAILABLE:
+            self._log_busy(refusal.message)
+        else:
+            logger.warning("refused request %s: %s", _short(add.request_id), refusal.message)
+        output = m.RequestOutput(
+            request_id=add.request_id,
+            new_token_ids=[],
+            finish_reason=m.FinishReason.ERROR,
+            error=refusal.message,
+            num_prompt_tokens=len(add.prompt_token_ids),
+            error_code=code,
+            error_param=refusal.param,
+            duplicate_id=duplicate,
+        )
+        return [(client_id, output)]
+
+    def _refusal(
+        self, client_id: ClientId, add: m.AddRequest
+    ) -> tuple[Refusal | None, m.ErrorCode, bool]:
+        """(why ``add`` is refused or None, the error code, whether it is a duplicate of
+        the sender's own live request). Cheap checks first: a flood is refused in O(1)."""
+        invalid = m.ErrorCode.INVALID_REQUEST
+        rules = self.config.scheduler
+        problem = request_id_problem(add.request_id, rules.max_request_id_bytes)
+        if problem is not None:
+            return Refusal(problem, "request_id"), invalid, False
+        live = self.scheduler.requests.get(add.request_id)
+        if live is not None:
+            own = live.client_id == client_id
+            whose = "one of this client's live requests" if own else "a live request"
+            message = (
+                f"request id {_short(add.request_id)} is already used by {whose}, which "
+                "goes on unchanged; send a unique id (e.g. a UUID) for a new request"
+            )
+            return Refusal(message, "request_id"), invalid, own
+        if not math.isfinite(add.arrival_time):
+            message = f"arrival_time must be a finite number of seconds, got {add.arrival_time}"
+            return Refusal(message, "arrival_time"), invalid, False
+        busy = m.ErrorCode.UNAVAILABLE
+        num_own = self._num_unfinished.get(client_id, 0)
+        if num_own >= rules.max_requests_per_client:
+            message = (
+                f"server busy: this client already has {num_own} unfinished requests, the "
+                f"most one client may have (--max-requests-per-client "
+                f"{rules.max_requests_per_client}); retry when some have finished"
+            )
+            return Refusal(message), busy, False
+        num_waiting = len(self.scheduler.waiting)
+        if num_waiting >= rules.max_waiting_requests:
+            message = (
+                f"server busy: {num_waiting} requests are already waiting, the most the "
+                f"engine core queues (--max-waiting-requests {rules.max_waiting_requests}); "
+                "retry later or send it to another server"
+            )
+            return Refusal(message), busy, False
+        refusal = validate_request(
+            add.prompt_token_ids,
+            add.sampling_params,
+            self.facts.max_model_len,
+            self.facts.vocab_size,
+        )
+        return refusal, invalid, False
+
+    def _admit(self, client_id: ClientId, add: m.AddRequest) -> None:
         num_prompt = len(add.prompt_token_ids)
         max_tokens = resolve_max_tokens(
             add.sampling_params.max_tokens, num_prompt, self.facts.max_model_len
@@ -129,7 +192,35 @@ class EngineCore:
             cache_salt=add.cache_salt,
         )
         self.scheduler.add_request(request)
-        return []
+        self._num_unfinished[client_id] = self._num_unfinished.get(client_id, 0) + 1
+
+    def _settle(self, outputs: Outputs) -> Outputs:
+        """Count the requests that ``outputs`` finish out of their clients' totals."""
+        for client_id, output in outputs:
+            if output.finish_reason is None:
+                continue
+            left = self._num_unfinished.get(client_id, 0) - 1
+            if left > 0:
+                self._num_unfinished[client_id] = left
+            else:
+                self._num_unfinished.pop(client_id, None)
+        return outputs
+
+    def _log_busy(self, message: str) -> None:
+        """Busy refusals come in floods: one log line per ``_BUSY_LOG_INTERVAL_S`` at most."""
+        self._num_busy_refused += 1
+        now = time.monotonic()
+        if now - self._busy_logged_at >= _BUSY_LOG_INTERVAL_S:
+            logger.warning(
+                "refused %d requests as busy since the last such line; latest: %s",
+                self._num_busy_refused,
+                message,
+            )
+            self._busy_logged_at, self._num_busy_refused = now, 0
+
+    def num_unfinished(self, client_id: ClientId) -> int:
+        """Requests of ``client_id`` admitted and not finished."""
+        return self._num_unfinished.get(client_id, 0)
 
     def abort(self, request_ids: list[str], client_id: ClientId | None = None) -> Outputs:
         """Abort requests (only those owned by ``client_id`` when given); blocks are freed
@@ -143,7 +234,7 @@ class EngineCore:
         finished = self.scheduler.finish_requests(owned, RequestStatus.FINISHED_ABORTED)
         for request in finished:
             self.progress.forget(request.request_id)
-        return [(r.client_id, Scheduler._output(r, [])) for r in finished]
+        return self._settle([(r.client_id, Scheduler._output(r, [])) for r in finished])
 
     def abort_client(self, client_id: ClientId) -> Outputs:
         owned = [r.request_id for r in self.scheduler.requests.values() if r.client_id == client_id]
@@ -160,15 +251,17 @@ class EngineCore:
         self.scheduler.finish_requests(
             [r.request_id for r in requests], RequestStatus.FINISHED_ERROR
         )
-        return [
-            (
-                r.client_id,
-                msgspec.structs.replace(
-                    Scheduler._output(r, []), error_code=m.ErrorCode.UNAVAILABLE
-                ),
-            )
-            for r in requests
-        ]
+        return self._settle(
+            [
+                (
+                    r.client_id,
+                    msgspec.structs.replace(
+                        Scheduler._output(r, []), error_code=m.ErrorCode.UNAVAILABLE
+                    ),
+                )
+                for r in requests
+            ]
+        )
 
     # -- the step --------------------------------------------------------------------
 
@@ -194,10 +287,12 @@ class EngineCore:
             request = self.scheduler.requests.get(request_id)
             if request is not None:
                 self.progress.after(request_id, num_done + num_chunk, request.num_prompt_tokens)
-        outputs = [
-            (request.client_id, output)
-            for request, output in self.scheduler.update_from_output(step, result)
-        ]
+        outputs = self._settle(
+            [
+                (request.client_id, output)
+                for request, output in self.scheduler.update_from_output(step, result)
+            ]
+        )
         for _, output in outputs:
             if output.finish_reason is not None:
                 self.progress.forget(output.request_id)

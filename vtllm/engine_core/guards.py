@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from vtllm.protocol.limits import (
+    LIST_LIMITS,
     Refusal,
     prompt_too_long_message,
     sampling_problems,
@@ -106,6 +107,8 @@ def validate_request(
     if problem is not None:
         return Refusal(problem, "prompt")
     problems = sampling_problems(params)
+    if problems and problems[0][0] in LIST_LIMITS:  # too long a list: not walked further
+        return Refusal(problems[0][1], problems[0][0])
     for field, token_ids in (
         ("stop_token_ids", params.stop_token_ids),
         ("logit_bias", params.logit_bias),

@@ -7,6 +7,17 @@ its request schema from it (``sampling_meta``: a 400 naming the field, and the r
 ZMQ directly. Token ids are checked against the vocabulary by ``token_id_problem`` and the
 context by ``prompt_too_long_message``; ``resolve_max_tokens`` is the one place an unset
 ``max_tokens`` becomes a number.
+
+``LIST_LIMITS`` bounds how many entries a request's lists hold (stop strings, stop token
+ids, logit-bias entries) and ``MAX_STOP_STRING_CHARS`` how long one stop string is; the
+HTTP schema takes them through ``list_meta`` / ``STOP_STRING_META``, the engine core
+through ``sampling_problems``. They cap per-request work that would otherwise grow with
+what one client sends. Each default can be changed by an environment variable
+(``docs/ENVIRONMENT.md``), read once at import.
+
+Temperatures below ``GREEDY_TEMPERATURE`` are greedy (``effective_temperature``, the one
+place that decides it; the sampler applies it): dividing logits by such a temperature
+overflows float32 and would draw garbage, as vLLM also avoids.
 """
 
 from __future__ import annotations
@@ -17,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from vtllm import envs
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -76,6 +89,55 @@ SAMPLING_RANGES: dict[str, Range] = {
     "logprobs": Range(ge=0, le=MAX_LOGPROBS),
 }
 LOGIT_BIAS_RANGE = Range(ge=-100.0, le=100.0)
+# Temperatures below this are greedy (as in vLLM): logits / 1e-38 overflow float32.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature the sampler uses: 0.0 (greedy) below ``GREEDY_TEMPERATURE``."""
+    return 0.0 if temperature < GREEDY_TEMPERATURE else temperature
+
+
+@dataclass(frozen=True)
+class ListLimit:
+    """Most entries of one request list, and the variable that changes it."""
+
+    max_entries: int
+    env: str
+
+
+# Request list → its bound (SamplingParams field names; "stop" is the HTTP stop strings,
+# which the frontend matches itself and never sends to the engine core).
+LIST_LIMITS: dict[str, ListLimit] = {
+    "stop": ListLimit(envs.VT_MAX_STOP_STRINGS, "VT_MAX_STOP_STRINGS"),
+    "stop_token_ids": ListLimit(envs.VT_MAX_STOP_TOKEN_IDS, "VT_MAX_STOP_TOKEN_IDS"),
+    "logit_bias": ListLimit(envs.VT_MAX_LOGIT_BIAS_ENTRIES, "VT_MAX_LOGIT_BIAS_ENTRIES"),
+}
+MAX_STOP_STRING_CHARS: int = envs.VT_MAX_STOP_STRING_CHARS
+STOP_STRING_META = msgspec.Meta(
+    max_length=MAX_STOP_STRING_CHARS,
+    description=f"At most {MAX_STOP_STRING_CHARS} characters (VT_MAX_STOP_STRING_CHARS).",
+)
+
+
+def list_meta(field: str) -> msgspec.Meta:
+    """``msgspec.Meta`` bounding the length of the request list ``field``."""
+    limit = LIST_LIMITS[field]
+    return msgspec.Meta(
+        max_length=limit.max_entries,
+        description=f"At most {limit.max_entries} entries ({limit.env}).",
+    )
+
+
+def list_problem(field: str, num_entries: int) -> str | None:
+    """Why ``num_entries`` entries are too many for ``field``; None if they are not."""
+    limit = LIST_LIMITS[field]
+    if num_entries <= limit.max_entries:
+        return None
+    return (
+        f"{field} has {num_entries} entries, more than the {limit.max_entries} allowed; "
+        f"send fewer (the server's limit is {limit.env})"
+    )
 
 
 def sampling_meta(field: str, **kwargs: Any) -> msgspec.Meta:
@@ -85,8 +147,13 @@ def sampling_meta(field: str, **kwargs: Any) -> msgspec.Meta:
 
 def sampling_problems(params: Any) -> list[tuple[str, str]]:
     """``(field, message)`` for every field of ``params`` (a ``SamplingParams``) outside its
-    range, logit-bias values included; empty when all are in range."""
+    range (NaN and infinities never are), logit-bias values included, and every list of
+    ``params`` longer than ``LIST_LIMITS`` allows; empty when all are in range."""
     problems = []
+    for field in ("stop_token_ids", "logit_bias"):
+        problem = list_problem(field, len(getattr(params, field)))
+        if problem is not None:
+            return [(field, problem)]  # before walking a list that may be huge
     for field, bounds in SAMPLING_RANGES.items():
         value = getattr(params, field)
         if value is not None and not bounds.contains(value):
@@ -111,6 +178,18 @@ def token_id_problem(token_ids: Iterable[int], vocab_size: int, field: str) -> s
                 f"{vocab_size - 1})"
             )
     return None
+
+
+def request_id_problem(request_id: str, max_bytes: int) -> str | None:
+    """Why ``request_id`` is too long (it is echoed in every output of its request);
+    None if it is not."""
+    num_bytes = len(request_id.encode("utf-8", "surrogatepass"))
+    if num_bytes <= max_bytes:
+        return None
+    return (
+        f"request id has {num_bytes} bytes, more than the {max_bytes} allowed (it is echoed "
+        "in every output); send a shorter id (the engine core's --max-request-id-bytes)"
+    )
 
 
 @dataclass(frozen=True)

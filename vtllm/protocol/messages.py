@@ -186,6 +186,10 @@ class RequestOutput(_Part):
     # with FinishReason.ERROR: what kind of failure, and the request field at fault
     error_code: ErrorCode | None = None
     error_param: str | None = None
+    # The refusal of an AddRequest that reused the id of the sender's own live request:
+    # it answers only that add; the live request is untouched and goes on (its own
+    # outputs never carry this flag). A client must not route it to the live request.
+    duplicate_id: bool = False
 
 
 class EngineOutputs(_Message, tag="outputs"):
