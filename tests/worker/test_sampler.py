@@ -43,6 +43,27 @@ def test_greedy_rows_stay_greedy_in_a_random_batch():
     assert out.sampled[0::2].tolist() == logits[0::2].argmax(-1).tolist()
 
 
+def test_a_temperature_below_the_greedy_epsilon_is_greedy():
+    """1e-38 passes the range [0, 2] but overflows logits / T: it must act as 0 (greedy),
+    not draw from NaN probabilities (which gave token 0 every time)."""
+    logits = _logits(6, seed=3)
+    assert (logits.argmax(-1) != 0).all()
+    for tiny in (1e-38, 1e-30, 1e-6):
+        params = [SamplingParams(temperature=tiny), SamplingParams(temperature=1.0)] * 3
+        for seed in range(3):
+            out = _sample(logits, params, seed=seed)
+            assert out.sampled[0::2].tolist() == logits[0::2].argmax(-1).tolist(), tiny
+        all_tiny = _sample(logits, [SamplingParams(temperature=tiny)] * 6)
+        assert all_tiny.sampled.tolist() == logits.argmax(-1).tolist()
+    # at and above the epsilon it samples: a flat-ish row is not always its argmax
+    flat = torch.zeros(1, VOCAB)
+    flat[0, 7] = 1e-5
+    drawn = {
+        _sample(flat, [SamplingParams(temperature=1e-5)], seed=s).sampled.item() for s in range(20)
+    }
+    assert len(drawn) > 1
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = _logits(8, seed=1)
     argmax = logits.argmax(-1).tolist()

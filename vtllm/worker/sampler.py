@@ -15,7 +15,9 @@ Order of operations per row, as in vLLM::
 * ``presence_penalty`` / ``frequency_penalty`` (OpenAI semantics) subtract
   ``presence * (count > 0) + frequency * count``, ``count`` over output tokens only.
 
-A row with temperature 0 is greedy (argmax of the processed logits). Random rows draw by
+A row with temperature 0 is greedy (argmax of the processed logits), and so is one below
+``limits.GREEDY_TEMPERATURE`` (1e-5; ``limits.effective_temperature`` decides it): dividing
+logits by 1e-38 overflows float32 to inf and NaN, and the draw would be garbage. Random rows draw by
 the exponential race ``argmax(p / E)``, ``E ~ Exp(1)`` per token, which samples exactly
 from ``p``; the noise of a seeded request comes from its own generator (one ``[vocab]``
 draw per sampled token), so its tokens depend only on its seed and its own history,
@@ -38,6 +40,7 @@ from typing import Protocol
 
 import torch
 
+from vtllm.protocol.limits import effective_temperature
 from vtllm.protocol.messages import SamplingParams
 
 
@@ -124,7 +127,7 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device,
     ) -> SamplingBatch:
-        temperature = [max(p.temperature, 0.0) for p in params]
+        temperature = [effective_temperature(p.temperature) for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         top_p = [p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]
         min_p = [p.min_p for p in params]
