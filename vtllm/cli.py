@@ -114,8 +114,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(headless)
 
-    keygen = sub.add_parser("keygen", help="make a CurveZMQ key file for a tcp:// engine address")
-    keygen.add_argument("--out", required=True, help="file to create (mode 0600)")
+    keygen = sub.add_parser(
+        "keygen",
+        help="make CurveZMQ key files for a tcp:// engine address",
+        description="`keygen server --out engine.key` makes the engine core's file (its key "
+        "pair and the list of client public keys it admits). `keygen client --server "
+        "engine.key --name NAME --out client.key` makes a client's file (its key pair and "
+        "the engine's public key, never the engine's secret) and admits it in engine.key. "
+        "Files are created with mode 0600.",
+    )
+    keygen_sub = keygen.add_subparsers(dest="key_kind", required=True)
+    key_server = keygen_sub.add_parser("server", help="the engine core's key file")
+    key_server.add_argument("--out", required=True, help="file to create (mode 0600)")
+    key_client = keygen_sub.add_parser(
+        "client", help="a client's key file, admitted by the engine's key file"
+    )
+    key_client.add_argument("--out", required=True, help="file to create (mode 0600)")
+    key_client.add_argument(
+        "--server",
+        required=True,
+        help="the engine's key file: its public key is copied, "
+        "and the client's public key is added to its allow-list",
+    )
+    key_client.add_argument("--name", required=True, help="the client's name in the allow-list")
 
     from vtllm.bench import add_bench_arguments
 
@@ -156,22 +177,45 @@ def main(argv: list[str] | None = None) -> int:
 
         return engine_core(_validated_config(parser, args))
     if args.command == "keygen":
-        from pathlib import Path
-
-        from vtllm.protocol.transport import CurveKeys
-
-        out = Path(args.out)
-        if out.exists():
-            parser.error(f"{out} exists; refusing to overwrite a key file")
-        CurveKeys.generate().save(out)
-        print(f"wrote {out} (mode 0600): pass it to the engine core and to every client")
-        return 0
+        return _keygen(parser, args)
     if args.command == "bench":
         from vtllm.bench import run_bench
 
         return run_bench(args.bench_kind, args, _validated_config(parser, args))
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _keygen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vtllm.protocol.transport import ClientKeys, ServerKeys
+
+    out = Path(args.out)
+    if out.exists():
+        parser.error(f"{out} exists; refusing to overwrite a key file")
+    if args.key_kind == "server":
+        ServerKeys.generate().save(out)
+        print(
+            f"wrote {out} (mode 0600): the engine core's key file (--engine-curve-key-file "
+            f"of vtllm engine-core). Admit clients with `vtllm keygen client --server {out}`"
+        )
+        return 0
+    try:
+        server = ServerKeys.load(args.server)
+        client = ClientKeys.generate(server.public, args.name)
+        server.allow(args.name, client.public)
+    except (OSError, ValueError, KeyError) as e:
+        parser.error(str(e))
+    client.save(out)
+    server.save(Path(args.server), replace=True)
+    print(
+        f"wrote {out} (mode 0600): the key file of client {args.name!r} "
+        f"(--engine-curve-key-file of vtllm serve --engine-address, or "
+        f"transport.ClientKeys.load); {args.server} now admits it (a running engine core "
+        "reads the change at the client's next connection)"
+    )
+    return 0
 
 
 if __name__ == "__main__":

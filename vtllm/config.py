@@ -214,8 +214,23 @@ class EngineEndpointConfig:
     )
     engine_curve_key_file: str | None = _opt(
         None,
-        "CurveZMQ key file (from `vtllm keygen`) securing a tcp:// engine address; "
-        "required to bind a non-loopback address. Clients need the same file.",
+        "CurveZMQ key file securing a tcp:// engine address. engine-core: the engine's "
+        "file (`vtllm keygen server`: its key pair and the client public keys it admits). "
+        "serve --engine-address: this client's file (`vtllm keygen client`). Required to "
+        "bind a tcp:// address.",
+    )
+    engine_allow_insecure_loopback: bool = _opt(
+        False,
+        "engine-core: allow a loopback tcp:// engine address without CurveZMQ keys. Every "
+        "local user can then connect and submit requests (bypassing --api-key); prefer "
+        "ipc:// (owner-only) or a key file.",
+    )
+    engine_max_frame_bytes: int = _opt(
+        0,
+        "engine-core: longest client message the engine core reads (size with unit); a "
+        "longer request is refused, one over 4x this is cut off with its connection. "
+        "0: 16 bytes per token of max_model_len, at least 4MiB.",
+        kind="size",
     )
     shutdown_timeout: float = _opt(
         30.0,

@@ -162,6 +162,7 @@ def engine_utility(server: ServerProcess, method: str, timeout_s: float = 10.0):
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, os.urandom(16))  # a session needs an unguessable id
     sock.connect(engine_address(server))
     decoder = codec.engine_to_client_decoder()
     try:

@@ -15,9 +15,10 @@ import httpx
 import pytest
 
 from tests.e2e.server import ServerProcess, free_port
+from vtllm.cli import main as vtllm_main
 from vtllm.protocol import messages as m
 from vtllm.protocol.client import EngineCoreClient, HandshakeError
-from vtllm.protocol.transport import CurveKeys
+from vtllm.protocol.transport import ClientKeys, ServerKeys
 
 pytestmark = pytest.mark.slow
 
@@ -58,8 +59,24 @@ def test_non_loopback_tcp_without_keys_is_refused(smollm2_dir, vt_cache_dir):
 
 
 def test_curve_secured_engine_serves_key_holders_only(smollm2_dir, vt_cache_dir, tmp_path):
-    keys_file = tmp_path / "engine.key"
-    CurveKeys.generate().save(keys_file)
+    keys_file, client_file = tmp_path / "engine.key", tmp_path / "client.key"
+    assert vtllm_main(["keygen", "server", "--out", str(keys_file)]) == 0
+    assert (
+        vtllm_main(
+            [
+                "keygen",
+                "client",
+                "--server",
+                str(keys_file),
+                "--name",
+                "t",
+                "--out",
+                str(client_file),
+            ]
+        )
+        == 0
+    )
+    stranger = ClientKeys.generate(ServerKeys.load(keys_file).public, "not-admitted")
     address = f"tcp://0.0.0.0:{free_port()}"
     process, log = _start_engine(
         ["--engine-address", address, "--engine-curve-key-file", str(keys_file)], vt_cache_dir
@@ -70,8 +87,8 @@ def test_curve_secured_engine_serves_key_holders_only(smollm2_dir, vt_cache_dir,
         with pytest.raises(HandshakeError):
             EngineCoreClient(local, "no-keys", timeout_s=3)
         with pytest.raises(HandshakeError):
-            EngineCoreClient(local, "wrong-keys", timeout_s=3, curve_keys=CurveKeys.generate())
-        client = EngineCoreClient(local, "holder", curve_keys=CurveKeys.load(keys_file))
+            EngineCoreClient(local, "wrong-keys", timeout_s=3, curve_keys=stranger)
+        client = EngineCoreClient(local, "holder", curve_keys=ClientKeys.load(client_file))
         client.add_request(
             "r", [1, 504, 3], m.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         )
@@ -84,7 +101,7 @@ def test_curve_secured_engine_serves_key_holders_only(smollm2_dir, vt_cache_dir,
             "--engine-address",
             local,
             "--engine-curve-key-file",
-            str(keys_file),
+            str(client_file),
             cache_dir=vt_cache_dir,
         ).start()
         try:

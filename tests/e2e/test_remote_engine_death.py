@@ -28,7 +28,9 @@ def _without_heartbeat_overrides() -> None:
 def test_killed_remote_engine_reaches_the_stream_and_comes_back(smollm2_dir, vt_cache_dir):
     _without_heartbeat_overrides()
     address = f"tcp://127.0.0.1:{free_port()}"
-    engine, log = _start_engine(["--engine-address", address], vt_cache_dir)
+    engine, log = _start_engine(
+        ["--engine-address", address, "--engine-allow-insecure-loopback"], vt_cache_dir
+    )
     second = None
     srv = ServerProcess("--engine-address", address, cache_dir=vt_cache_dir)
     try:
@@ -69,7 +71,9 @@ def test_killed_remote_engine_reaches_the_stream_and_comes_back(smollm2_dir, vt_
             assert srv.process.poll() is None
             os.killpg(engine.pid, signal.SIGKILL)  # its workers, if any are left
             engine.wait(10)
-            second, log = _start_engine(["--engine-address", address], vt_cache_dir)
+            second, log = _start_engine(
+                ["--engine-address", address, "--engine-allow-insecure-loopback"], vt_cache_dir
+            )
             _wait_ready(second, log)
             srv.wait_healthy(30)
             body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}

@@ -16,6 +16,7 @@ from vtllm.protocol import messages as m
 
 READY = m.Ready(m.PROTOCOL_VERSION, "model", 256, 1000, 64, 16, [2], "engine-1")
 PARAMS = m.SamplingParams(max_tokens=1)
+C1, C2, C3, C4 = (f"client-{n}-routing-id".encode() for n in range(1, 5))  # >= 16 bytes
 
 
 class Peer:
@@ -79,7 +80,7 @@ def _inbox_items(inbox: queue.Queue, timeout_s: float = 0.3) -> list:
 
 def test_a_session_opens_repeats_and_ends(channel):
     _, inbox, _, peer = channel
-    client = peer(b"c-1")
+    client = peer(C1)
     client.send(m.Hello(m.PROTOCOL_VERSION, "t", "session-a"))
     assert client.recv(m.Ready) == READY
     client.send(m.Hello(m.PROTOCOL_VERSION, "t", "session-a"))  # a repeat: same session
@@ -90,7 +91,7 @@ def test_a_session_opens_repeats_and_ends(channel):
     assert client.recv(m.Ready) == READY
     client.send(m.AddRequest("r2", [1], PARAMS))
     items = _inbox_items(inbox)
-    assert [(i, type(msg)) for i, msg in items] == [(b"c-1", ClientGone), (b"c-1", m.AddRequest)]
+    assert [(i, type(msg)) for i, msg in items] == [(C1, ClientGone), (C1, m.AddRequest)]
     client.send(m.Goodbye())
     client.send(m.AddRequest("r3", [1], PARAMS))
     assert "said goodbye" in client.recv(m.SessionUnknown).reason
@@ -99,11 +100,11 @@ def test_a_session_opens_repeats_and_ends(channel):
 
 def test_a_silent_client_is_dropped_and_told_when_it_speaks(channel):
     _, inbox, _, peer = channel
-    client = peer(b"c-2")
+    client = peer(C2)
     client.send(m.Hello(m.PROTOCOL_VERSION, "t", "s"))
     client.recv(m.Ready)
     gone = inbox.get(timeout=5)  # silent past 1.5 s
-    assert gone[0] == b"c-2" and isinstance(gone[1], ClientGone)
+    assert gone[0] == C2 and isinstance(gone[1], ClientGone)
     client.send(m.Heartbeat(0.0))
     reason = client.recv(m.SessionUnknown).reason
     assert "was silent for" in reason and "the engine aborted its requests" in reason
@@ -114,12 +115,12 @@ def test_a_silent_client_is_dropped_and_told_when_it_speaks(channel):
 
 def test_no_new_session_once_the_engine_sent_engine_dead(channel):
     _, _, push, peer = channel
-    first = peer(b"c-3")
+    first = peer(C3)
     first.send(m.Hello(m.PROTOCOL_VERSION, "t", "s"))
     first.recv(m.Ready)
-    push.send_multipart([b"c-3", codec.encode(m.EngineDead("worker 0 died"))])
+    push.send_multipart([C3, codec.encode(m.EngineDead("worker 0 died"))])
     assert first.recv(m.EngineDead).reason == "worker 0 died"
-    second = peer(b"c-4")
+    second = peer(C4)
     second.send(m.Hello(m.PROTOCOL_VERSION, "t", "s"))
     refusal = second.recv(m.HandshakeRefused).reason
     assert refusal == "the engine core is going down: worker 0 died"

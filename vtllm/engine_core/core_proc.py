@@ -23,7 +23,7 @@ import zmq
 
 from vtllm import envs
 from vtllm.config import VtllmConfig
-from vtllm.engine_core.client_channel import ClientChannel, ClientGone
+from vtllm.engine_core.client_channel import ClientChannel, ClientGone, frame_limit
 from vtllm.engine_core.core import ClientId, EngineCore, EngineFacts, Outputs
 from vtllm.engine_core.executor import MultiprocExecutor, WorkerDiedError
 from vtllm.engine_core.guards import KVCacheTooSmallError, check_kv_cache_fits
@@ -242,11 +242,15 @@ def run_engine_core(
         become_child_process("VTLLM::EngineCore")
     config = VtllmConfig.from_bytes(config_bytes)
     curve_keys = None
-    if config.engine.engine_curve_key_file:
-        curve_keys = transport.CurveKeys.load(config.engine.engine_curve_key_file)
     try:
-        transport.check_bind_security(client_address, curve_keys)
-    except PermissionError as e:
+        if config.engine.engine_curve_key_file:
+            curve_keys = transport.ServerKeys.load(config.engine.engine_curve_key_file)
+        transport.check_bind_security(
+            client_address,
+            curve_keys,
+            allow_insecure_loopback=config.engine.engine_allow_insecure_loopback,
+        )
+    except (OSError, ValueError, KeyError) as e:
         logger.error("%s", e)
         sys.exit(EXIT_START_FAILED)
     stop = threading.Event()
@@ -267,11 +271,12 @@ def run_engine_core(
         block_size=facts.block_size,
         eos_token_ids=list(facts.eos_token_ids),
         engine_id=uuid.uuid4().hex[:12],
+        max_frame_bytes=frame_limit(config.engine.engine_max_frame_bytes, facts.max_model_len),
     )
     core = EngineCore(config, facts, executor)
     inbox: queue.Queue = queue.Queue()
     ctx = zmq.Context.instance()
-    channel = ClientChannel(ctx, client_address, ready, inbox, curve_keys)
+    channel = ClientChannel(ctx, client_address, ready, inbox, curve_keys, ready.max_frame_bytes)
     channel.start()
     channel.bound.wait(10)
     proc = EngineCoreProc(core, channel, inbox, config.engine.shutdown_timeout)

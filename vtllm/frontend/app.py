@@ -285,11 +285,11 @@ async def _serve(
             f"frontend-{os.getpid()}",
             engine_alive=engine_alive,
             on_dead=on_dead,
-            curve_keys=transport.CurveKeys.load(key_file) if key_file else None,
+            curve_keys=transport.ClientKeys.load(key_file) if key_file else None,
             # a remote engine core (no probe) may come back: 503 meanwhile, then reconnect
             reconnect=engine_alive is None,
         )
-    except HandshakeError as e:
+    except (HandshakeError, OSError, ValueError) as e:  # refused, or a bad key file
         logger.error("%s", e)
         return 1
     try:

@@ -35,6 +35,7 @@ from vtllm.protocol import messages as m
 from vtllm.protocol.session import (
     EngineDeadError,
     Event,
+    FrameTooLargeError,
     HandshakeError,
     HandshakeFailed,
     SessionLost,
@@ -42,7 +43,14 @@ from vtllm.protocol.session import (
     SessionUp,
 )
 
-__all__ = ["EngineClient", "EngineDeadError", "HandshakeError", "RequestObserver", "UtilityError"]
+__all__ = [
+    "EngineClient",
+    "EngineDeadError",
+    "FrameTooLargeError",
+    "HandshakeError",
+    "RequestObserver",
+    "UtilityError",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -119,13 +127,15 @@ class EngineClient:
         engine_alive: Callable[[], bool] | None = None,
         on_dead: Callable[[str], Any] | None = None,
         timeout_s: float | None = None,
-        curve_keys: transport.CurveKeys | None = None,
+        curve_keys: transport.ClientKeys | None = None,
         reconnect: bool = False,
     ) -> m.Ready:
         """Connect and handshake. Returns the engine's ``Ready``; raises HandshakeError on
         refusal, on a timeout (default: worker start timeout + heartbeat timeout), or when
-        ``engine_alive`` turns false while waiting. ``curve_keys``: the engine's key file
-        when it listens on a CurveZMQ-secured tcp:// address.
+        ``engine_alive`` turns false while waiting. ``curve_keys``: this client's key
+        file (``transport.ClientKeys.load``, from ``vtllm keygen client``) when the engine
+        listens on a CurveZMQ-secured tcp:// address. ``generate`` raises
+        ``FrameTooLargeError`` for a request longer than the engine reads.
 
         ``reconnect``: losing the engine (silence, ``EngineDead``) is not final: in-flight
         requests fail, and the client handshakes again when an engine core answers at

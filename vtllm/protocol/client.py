@@ -30,6 +30,7 @@ from vtllm.protocol import messages as m
 from vtllm.protocol.session import (
     EngineDeadError,
     Event,
+    FrameTooLargeError,
     HandshakeError,
     HandshakeFailed,
     SessionLost,
@@ -37,7 +38,7 @@ from vtllm.protocol.session import (
     SessionUp,
 )
 
-__all__ = ["EngineCoreClient", "EngineDeadError", "HandshakeError"]
+__all__ = ["EngineCoreClient", "EngineDeadError", "FrameTooLargeError", "HandshakeError"]
 
 
 class EngineCoreClient:
@@ -46,11 +47,12 @@ class EngineCoreClient:
         address: str,
         client_name: str = "vtllm-client",
         timeout_s: float = 60.0,
-        curve_keys: transport.CurveKeys | None = None,
+        curve_keys: transport.ClientKeys | None = None,
         reconnect: bool = False,
     ) -> None:
-        """Connect and handshake (raises ``HandshakeError``). ``curve_keys``: the engine's
-        key file (``transport.CurveKeys.load``) when it listens on a secured tcp:// address.
+        """Connect and handshake (raises ``HandshakeError``). ``curve_keys``: this
+        client's key file (``transport.ClientKeys.load``, made by ``vtllm keygen client``)
+        when the engine listens on a CurveZMQ-secured tcp:// address.
         ``reconnect``: losing the engine is not final (see ``EngineClient.connect``)."""
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._pending: dict[str, deque[m.RequestOutput]] = defaultdict(deque)
@@ -110,16 +112,17 @@ class EngineCoreClient:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> None:
-        """Send a request. Raises ``EngineDeadError`` while no session is open."""
+        """Send a request. Raises ``EngineDeadError`` while no session is open and
+        ``FrameTooLargeError`` (nothing sent) when it is longer than the engine reads."""
         self._drain(0.0)
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        self._in_flight.add(request_id)
         self._send(
             m.AddRequest(
                 request_id, prompt_token_ids, sampling_params, time.time(), priority, cache_salt
             )
         )
+        self._in_flight.add(request_id)
 
     def abort(self, request_ids: list[str]) -> None:
         self._in_flight.difference_update(request_ids)

@@ -126,6 +126,9 @@ class Ready(_Message, tag="ready"):
     block_size: int
     eos_token_ids: list[int]
     engine_id: str = ""
+    # the longest message this engine core reads (bytes; 0 = not said): a client checks
+    # its frames against it before sending (longer ones are refused or cut off)
+    max_frame_bytes: int = 0
 
 
 class HandshakeRefused(_Message, tag="refused"):

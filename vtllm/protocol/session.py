@@ -15,6 +15,13 @@ One implementation for both clients (``client.EngineCoreClient``, ``async_client
                                                                     SessionThread ⇄ DEALER ⇄ engine
       owner thread ◀── emit(event) (a queue, or call_soon_threadsafe) ◀┘
 
+Each session is carried by a DEALER of its own whose routing id is 18 random bytes
+(``secrets``), never logged: the engine core binds the session to that connection (and,
+under CurveZMQ, to this client's public key), so nobody else can receive its outputs or
+abort its requests. A lost session's socket is closed and a new one says Hello. The
+thread also watches its socket's handshake events, so a client whose CurveZMQ key the
+engine refuses learns it at once (``HandshakeFailed``) instead of waiting for a timeout.
+
 Sessions are numbered (``epoch``). A message stamped with an older epoch than the current
 session is dropped, never delivered into a new session: its session is gone, and the client
 fails every request of a lost session itself (``SessionLost``).
@@ -31,6 +38,7 @@ import contextlib
 import enum
 import logging
 import os
+import secrets
 import threading
 import time
 import uuid
@@ -39,6 +47,7 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from vtllm import envs
 from vtllm.protocol import codec, transport
@@ -49,6 +58,11 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.1  # how often the thread wakes to heartbeat and check the timeout
 _PROBE_S = 0.5  # how often the ``engine_alive`` probe is called
 _STOP = b"stop"
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 class EngineDeadError(RuntimeError):
@@ -58,6 +72,10 @@ class EngineDeadError(RuntimeError):
 
 class HandshakeError(RuntimeError):
     """The engine core refused the handshake or did not answer in time."""
+
+
+class FrameTooLargeError(ValueError):
+    """A message longer than the engine core reads (``Ready.max_frame_bytes``): not sent."""
 
 
 @dataclass(frozen=True)
@@ -107,10 +125,14 @@ class Session:
         interval_s: float,
         timeout_s: float,
         reconnect: bool,
+        renew: Callable[[], None] = lambda: None,
     ) -> None:
+        """``renew``: replace the connection (a fresh routing id) before a new Hello."""
         self.client_name = client_name
         self._send = send
         self._emit = emit
+        self._renew = renew
+        self.max_frame_bytes = 0  # the engine's limit, from its latest Ready (0: none said)
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.reconnect = reconnect
@@ -183,6 +205,12 @@ class Session:
                     hello_after_s=self.timeout_s,
                 )
 
+    def on_handshake_failed(self, reason: str, now: float) -> None:
+        """The transport handshake failed (CurveZMQ key refused, mechanism mismatch):
+        fatal before the first session; later, the engine is asked again after a timeout."""
+        if self.state is State.CONNECTING and self.epoch == 0:
+            self._fail_handshake(reason)
+
     def on_engine_exited(self, now: float) -> None:
         """The ``engine_alive`` probe said the engine process is gone: final."""
         if self.state is State.CLOSED:
@@ -204,6 +232,7 @@ class Session:
             return
         self.state = State.READY
         self.epoch += 1
+        self.max_frame_bytes = ready.max_frame_bytes
         self._next_beat = now + self.interval_s
         self._emit(SessionUp(ready, self.epoch))
 
@@ -227,6 +256,7 @@ class Session:
         else:
             self.state = State.CONNECTING
             self._session_id = uuid.uuid4().hex
+            self._renew()  # the new session gets a connection (and routing id) of its own
             self._next_hello = now + hello_after_s  # at once by default: a live engine
             self.tick(now)  # answers within milliseconds
         self._emit(SessionLost(reason, final))
@@ -244,7 +274,7 @@ class SessionThread(threading.Thread):
         client_name: str,
         emit: Callable[[Event], None],
         *,
-        curve_keys: transport.CurveKeys | None = None,
+        curve_keys: transport.ClientKeys | None = None,
         engine_alive: Callable[[], bool] | None = None,
         reconnect: bool = False,
         linger_ms: int = 200,
@@ -264,6 +294,10 @@ class SessionThread(threading.Thread):
         self._push.setsockopt(zmq.LINGER, 1000)
         self._push.connect(pipe_address)
         self._dealer: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._logged_failure = ""
+        self._poller = zmq.Poller()
+        self._poller.register(self._pull, zmq.POLLIN)
         self.session = Session(
             client_name or f"client-{os.getpid()}",
             self._send_now,
@@ -271,14 +305,23 @@ class SessionThread(threading.Thread):
             interval_s=envs.VT_HEARTBEAT_INTERVAL_S,
             timeout_s=envs.VT_HEARTBEAT_TIMEOUT_S,
             reconnect=reconnect,
+            renew=self._open_dealer,
         )
 
     # -- owner thread ---------------------------------------------------------------------
 
     def send(self, message: msgspec.Struct, epoch: int) -> None:
         """Queue ``message`` for the session ``epoch``; dropped if that session is gone
-        (its loss is, or will be, emitted as ``SessionLost``)."""
-        frames = [epoch.to_bytes(8, "little"), codec.encode(message)]
+        (its loss is, or will be, emitted as ``SessionLost``). Raises
+        ``FrameTooLargeError`` for a message longer than the engine core reads."""
+        frame = codec.encode(message)
+        limit = self.session.max_frame_bytes
+        if limit and len(frame) > limit:
+            raise FrameTooLargeError(
+                f"this {type(message).__name__} encodes to {len(frame)} bytes; the engine core "
+                f"reads at most {limit} bytes per message (its --engine-max-frame-bytes)"
+            )
+        frames = [epoch.to_bytes(8, "little"), frame]
         with contextlib.suppress(zmq.Again):  # the thread has ended: the client is dead
             self._push.send_multipart(frames, zmq.NOBLOCK, copy=False)
 
@@ -306,26 +349,44 @@ class SessionThread(threading.Thread):
         except zmq.Again:  # not connected (ZMQ_IMMEDIATE: nothing queues for a missing peer)
             return False
 
-    def run(self) -> None:
-        dealer = transport.configure(
-            self._ctx.socket(zmq.DEALER), identity=b"c-" + uuid.uuid4().hex.encode()
-        )
+    def _open_dealer(self) -> None:
+        """A new connection with a fresh secret routing id (closing the previous one: what
+        was queued on it belonged to a lost session)."""
+        self._close_dealer(linger_ms=0)
+        identity = b"vt" + secrets.token_bytes(16)  # never starts with 0 (libzmq's own ids)
+        dealer = transport.configure(self._ctx.socket(zmq.DEALER), identity=identity)
         dealer.setsockopt(zmq.IMMEDIATE, 1)
         transport.secure_client(dealer, self._curve_keys)
+        self._monitor = dealer.get_monitor_socket(_HANDSHAKE_FAILED)
         dealer.connect(self.address)
         self._dealer = dealer
+        self._poller.register(dealer, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
+    def _close_dealer(self, linger_ms: int) -> None:
+        if self._dealer is None:
+            return
+        assert self._monitor is not None
+        self._poller.unregister(self._dealer)
+        self._poller.unregister(self._monitor)
+        self._dealer.disable_monitor()
+        self._monitor.close(linger=0)
+        self._dealer.close(linger=linger_ms)
+        self._dealer = self._monitor = None
+
+    def run(self) -> None:
+        self._open_dealer()
         decoder = codec.engine_to_client_decoder()
         session = self.session
-        poller = zmq.Poller()
-        poller.register(dealer, zmq.POLLIN)
-        poller.register(self._pull, zmq.POLLIN)
         next_probe = 0.0
         stopping = False
         try:
             while not stopping and session.state is not State.CLOSED:
-                events = dict(poller.poll(int(_POLL_S * 1000)))
-                if dealer in events:
-                    self._receive(dealer, decoder, session)
+                events = dict(self._poller.poll(int(_POLL_S * 1000)))
+                if self._monitor in events:
+                    self._on_monitor(session)
+                if self._dealer in events:
+                    self._receive(decoder, session)
                 if self._pull in events:
                     stopping = self._forward(session)
                 now = time.monotonic()
@@ -340,11 +401,34 @@ class SessionThread(threading.Thread):
                 session.state = State.CLOSED
                 self._emit(SessionLost(f"engine client failed: {e!r}", True))
         finally:
-            dealer.close(linger=self._linger_ms if stopping else 0)
+            self._close_dealer(linger_ms=self._linger_ms if stopping else 0)
             self._pull.close(linger=0)
 
-    def _receive(self, dealer: zmq.Socket, decoder: codec.Decoder, session: Session) -> None:
+    def _on_monitor(self, session: Session) -> None:
+        assert self._monitor is not None
         while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            reason = f"the engine core at {self.address} refused the connection: " + (
+                f"it does not admit this client's CurveZMQ key (status {event['value']}); "
+                "add it with `vtllm keygen client --server ENGINE_KEY_FILE`"
+                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                else "the security handshake failed (one side uses CurveZMQ keys and the "
+                "other not, or this client's key file names another engine's public key)"
+            )
+            if session.epoch == 0:
+                session.on_handshake_failed(reason, time.monotonic())
+            elif reason != self._logged_failure:  # once, not at every reconnection
+                self._logged_failure = reason
+                logger.warning("%s", reason)
+            if session.state is State.CLOSED:
+                return
+
+    def _receive(self, decoder: codec.Decoder, session: Session) -> None:
+        dealer = self._dealer  # a lost session replaces it: then stop reading the old one
+        while dealer is not None and dealer is self._dealer:
             try:
                 frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
