@@ -12,11 +12,13 @@ Two small pure pieces, combined by ``OutputText``:
       delta = decode(tokens[prefix:]) minus decode(tokens[prefix:read])
 
 * ``StopStringMatcher``: cuts the output at the first stop string, even one spread over
-  several tokens, and holds back only a tail that could still grow into a stop string.
+  several tokens, and holds back only a tail that could still grow into a stop string;
+  its work per push does not grow with the output (linear in the output overall).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 
 # Prompt tokens to decode in front of the first output token, so that tokenizers which
@@ -59,58 +61,79 @@ class StopStringMatcher:
 
     ``push(delta)`` returns the text that is safe to emit now; ``flush()`` returns what was
     held back, once the request ended for another reason. After a match, ``stopped`` is
-    true and nothing more is emitted."""
+    true and nothing more is emitted. When several stop strings occur in the text a push
+    brings, the one that starts first wins (on a tie, the first in ``stop``).
+
+    The work of a push is bounded by the stop strings, never by the output so far: only
+    the new text plus the ``longest - 1`` characters before it are searched (a stop
+    string that ended earlier was found then), and only that tail is kept::
+
+        text:   ...emitted........|held|new delta|
+                        window =  |  tail   |new delta|     tail = last (longest - 1)
+
+    The held-back part (the longest end of the text that is a proper prefix of a stop
+    string) is found by binary search among the sorted stop strings.
+    ``num_chars_scanned`` counts the characters every push searched.
+    """
 
     def __init__(self, stop: Sequence[str]) -> None:
         self._stop = [s for s in stop if s]
-        self._max_len = max((len(s) for s in self._stop), default=0)
-        self._text = ""
-        self._num_emitted = 0
+        self._sorted = sorted(set(self._stop))
+        self._first_chars = {s[0] for s in self._stop}
+        self._keep = max((len(s) for s in self._stop), default=1) - 1
+        self._tail = ""  # the last ``_keep`` characters of the text so far
+        self._num_held = 0  # characters at the end of ``_tail`` not emitted yet
         self.stopped = False
         self.matched: str | None = None
+        self.num_chars_scanned = 0
 
     def push(self, delta: str) -> str:
         if self.stopped or not delta:
             return ""
-        search_start = max(0, len(self._text) - self._max_len + 1)
-        self._text += delta
         if not self._stop:
-            return self._emit_until(len(self._text))
-        hit_idx, hit = self._first_match(search_start)
+            return delta
+        window = self._tail + delta
+        self.num_chars_scanned += len(window)
+        start = len(self._tail) - self._num_held  # the first character not emitted
+        hit_idx, hit = self._first_match(window)
         if hit is not None:
             self.stopped = True
             self.matched = hit
-            return self._emit_until(hit_idx)
-        return self._emit_until(len(self._text) - self._held_back_len())
+            self._tail, self._num_held = "", 0
+            return window[start : max(start, hit_idx)]
+        num_held = self._held_back_len(window)
+        out = window[start : max(start, len(window) - num_held)]
+        self._tail = window[max(0, len(window) - self._keep) :]
+        self._num_held = num_held
+        return out
 
     def flush(self) -> str:
-        if self.stopped:
+        if self.stopped or not self._num_held:
             return ""
-        return self._emit_until(len(self._text))
+        out = self._tail[len(self._tail) - self._num_held :]
+        self._num_held = 0
+        return out
 
-    def _first_match(self, search_start: int) -> tuple[int, str | None]:
-        best_idx, best = len(self._text), None
+    def _first_match(self, window: str) -> tuple[int, str | None]:
+        best_idx, best = len(window), None
         for s in self._stop:
-            idx = self._text.find(s, search_start)
+            idx = window.find(s)
             if 0 <= idx < best_idx:
                 best_idx, best = idx, s
         return best_idx, best
 
-    def _held_back_len(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        longest = 0
-        for s in self._stop:
-            for k in range(min(len(s) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest
-
-    def _emit_until(self, end: int) -> str:
-        end = max(end, self._num_emitted)
-        out = self._text[self._num_emitted : end]
-        self._num_emitted = end
-        return out
+    def _held_back_len(self, window: str) -> int:
+        """Length of the longest end of ``window`` (at most ``longest - 1`` characters)
+        that is a proper prefix of a stop string; ``window`` holds no whole one."""
+        for idx in range(max(0, len(window) - self._keep), len(window)):
+            if window[idx] not in self._first_chars:
+                continue
+            suffix = window[idx:]
+            # stop strings that start with ``suffix`` sort right at or after it
+            i = bisect.bisect_left(self._sorted, suffix)
+            if i < len(self._sorted) and self._sorted[i].startswith(suffix):
+                return len(window) - idx
+        return 0
 
 
 class OutputText:
