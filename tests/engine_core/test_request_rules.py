@@ -47,12 +47,13 @@ def _edges(bounds: limits.Range) -> list[tuple[float, bool]]:
     return cases
 
 
-def _http_accepts(field: str, value: float) -> bool:
+def _http_accepts(field: str, value: object) -> bool:
     body = json.dumps({"prompt": [1, 2], field: value}).encode()
     try:
         decode_body(body, CompletionRequest)
     except OpenAIError as e:
-        assert e.status_code == 400 and e.param == field, (field, value, e.message)
+        assert e.status_code == 400, (field, e.message)
+        assert (e.param or "").split("[")[0] == field, (field, e.message)
         return False
     return True
 
@@ -115,3 +116,26 @@ def test_the_engine_core_sends_the_refused_field() -> None:
 def test_unset_max_tokens_is_the_room_left() -> None:
     assert limits.resolve_max_tokens(None, 10, 64) == 54
     assert limits.resolve_max_tokens(7, 10, 64) == 7
+
+
+@pytest.mark.parametrize("field", ["stop_token_ids", "logit_bias"])
+def test_http_schema_and_engine_guard_agree_on_list_lengths(field: str) -> None:
+    limit = limits.LIST_LIMITS[field].max_entries
+    for num, allowed in ((limit, True), (limit + 1, False)):
+        ids = [i % VOCAB for i in range(num)] if field == "stop_token_ids" else range(num)
+        http_value = {str(i): 1.0 for i in ids} if field == "logit_bias" else ids
+        engine_value = {i: 1.0 for i in ids} if field == "logit_bias" else ids
+        assert _http_accepts(field, http_value) == allowed, (field, num)
+        vocab = max(VOCAB, num + 1)
+        params = m.SamplingParams(**{field: engine_value})
+        refusal = validate_request([1, 2], params, max_model_len=64, vocab_size=vocab)
+        assert (refusal is None) == allowed, (field, num, refusal)
+
+
+def test_stop_strings_are_bounded_in_number_and_length() -> None:
+    num, chars = limits.LIST_LIMITS["stop"].max_entries, limits.MAX_STOP_STRING_CHARS
+    assert (num, chars) == (64, 1024)  # the documented defaults
+    assert _http_accepts("stop", ["x" * chars] * num)
+    assert not _http_accepts("stop", ["x"] * (num + 1))
+    assert not _http_accepts("stop", ["x" * (chars + 1)])
+    assert not _http_accepts("stop", "x" * (chars + 1))

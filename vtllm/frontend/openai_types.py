@@ -19,7 +19,14 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from vtllm.protocol.limits import INT64_MAX, INT64_MIN, LOGIT_BIAS_RANGE, sampling_meta
+from vtllm.protocol.limits import (
+    INT64_MAX,
+    INT64_MIN,
+    LOGIT_BIAS_RANGE,
+    STOP_STRING_META,
+    list_meta,
+    sampling_meta,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -176,8 +183,12 @@ class _SamplingFields(msgspec.Struct):
     min_p: Annotated[float, sampling_meta("min_p")] | None = None
     seed: Annotated[int, sampling_meta("seed")] | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegInt] | None = None
+    stop: (
+        Annotated[str, STOP_STRING_META]
+        | Annotated[list[Annotated[str, STOP_STRING_META]], list_meta("stop")]
+        | None
+    ) = None
+    stop_token_ids: Annotated[list[NonNegInt], list_meta("stop_token_ids")] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, sampling_meta("min_tokens")] = 0
     presence_penalty: Annotated[float, sampling_meta("presence_penalty")] | None = None
@@ -189,7 +200,10 @@ class _SamplingFields(msgspec.Struct):
     priority: Int64 = 0
     cache_salt: str | None = None
     # token id (as a JSON object key) → bias added to its logit, -100..100
-    logit_bias: dict[str, Annotated[float, LOGIT_BIAS_RANGE.meta()]] | None = None
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, LOGIT_BIAS_RANGE.meta()]], list_meta("logit_bias")]
+        | None
+    ) = None
     prompt_logprobs: Annotated[None, _off("only null")] = None
     use_beam_search: Annotated[Literal[False], _off("only false")] = False
     include_stop_str_in_output: Annotated[Literal[False], _off("only false")] = False
