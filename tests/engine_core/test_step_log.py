@@ -36,6 +36,15 @@ def test_heartbeat_reports_deltas_since_last_line():
     assert "state=stalled" in beat.tick()
 
 
+def test_stalled_lines_say_what_the_workers_heartbeats_say():
+    counters = LoopCounters()
+    liveness = "rank 0: serving for 42s, last heartbeat 31.0s ago"
+    beat = StepHeartbeat(60.0, counters, lambda: HeartbeatSnapshot(1, 0, 0.1), lambda: liveness)
+    counters.steps = counters.model_executions = 5
+    assert "workers=" not in beat.tick()  # busy: nothing to explain
+    assert beat.tick().endswith(f"workers=[{liveness}]")  # stalled: frozen, not slow
+
+
 def test_heartbeat_thread_logs_periodically(caplog):
     counters = LoopCounters()
     beat = StepHeartbeat(0.05, counters, lambda: HeartbeatSnapshot(0, 0, 0.0))

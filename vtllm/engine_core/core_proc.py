@@ -286,7 +286,12 @@ def run_engine_core(
         proc.request_stop()
     heartbeat = None
     if envs.VT_ENGINE_STEP_LOG:
-        heartbeat = StepHeartbeat(envs.VT_ENGINE_STEP_LOG, core.counters, core.heartbeat_snapshot)
+        heartbeat = StepHeartbeat(
+            envs.VT_ENGINE_STEP_LOG,
+            core.counters,
+            core.heartbeat_snapshot,
+            executor.describe_liveness,
+        )
         heartbeat.start()
     logger.info("engine core ready at %s", client_address)
     code = 1

@@ -35,10 +35,17 @@ class HeartbeatSnapshot:
 
 
 def heartbeat_line(
-    snapshot: HeartbeatSnapshot, steps: int, executions: int, prefix_queries: int, prefix_hits: int
+    snapshot: HeartbeatSnapshot,
+    steps: int,
+    executions: int,
+    prefix_queries: int,
+    prefix_hits: int,
+    workers: str = "",
 ) -> str:
     """One heartbeat line. ``idle``: nothing unfinished; ``busy``: the model ran since the
-    last line; ``stalled``: unfinished work but no model execution since the last line."""
+    last line; ``stalled``: unfinished work but no model execution since the last line —
+    then ``workers`` (what their heartbeats say) follows, so that a slow step (beating,
+    in "serving") and a frozen worker (last heartbeat long ago) read differently."""
     unfinished = snapshot.num_running + snapshot.num_waiting
     if unfinished == 0:
         state = "idle"
@@ -47,11 +54,14 @@ def heartbeat_line(
     else:
         state = "stalled"
     hit_rate = 100.0 * prefix_hits / prefix_queries if prefix_queries else 0.0
-    return (
+    line = (
         f"engine step log: state={state} running={snapshot.num_running} "
         f"waiting={snapshot.num_waiting} steps={steps} model_executions={executions} "
         f"kv_usage={100.0 * snapshot.kv_usage:.1f}% prefix_hit_rate={hit_rate:.1f}%"
     )
+    if state == "stalled" and workers:
+        line += f" workers=[{workers}]"
+    return line
 
 
 class StepHeartbeat(threading.Thread):
@@ -62,11 +72,13 @@ class StepHeartbeat(threading.Thread):
         period_s: float,
         counters: LoopCounters,
         snapshot: Callable[[], HeartbeatSnapshot],
+        workers: Callable[[], str] = str,
     ) -> None:
         super().__init__(name="vtllm-step-log", daemon=True)
         self.period_s = period_s
         self.counters = counters
         self.snapshot = snapshot
+        self.workers = workers  # the executor's describe_liveness (read on stalled lines)
         self._stop_event = threading.Event()
         self._last_steps = 0
         self._last_executions = 0
@@ -80,6 +92,7 @@ class StepHeartbeat(threading.Thread):
             executions - self._last_executions,
             self.counters.prefix_queries,
             self.counters.prefix_hits,
+            self.workers(),
         )
         self._last_steps, self._last_executions = steps, executions
         logger.info(line)
