@@ -27,6 +27,7 @@ def _run(address: str, shutdown_timeout: str, cache_dir: Path, max_tokens: int):
     )
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, os.urandom(16))  # a session needs an unguessable id
     outputs: dict[str, list[m.RequestOutput]] = {"running": [], "late": []}
     dead = False
     try:

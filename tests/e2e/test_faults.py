@@ -82,6 +82,7 @@ def test_garbage_is_dropped_while_a_real_request_is_served(server):
 def test_vanished_client_requests_are_aborted_and_freed(server):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, os.urandom(16))  # a session needs an unguessable id
     sock.connect(engine_address(server))
     sock.send(codec.encode(m.Hello(m.PROTOCOL_VERSION, "vanishing")))
     params = m.SamplingParams(max_tokens=2000, ignore_eos=True)

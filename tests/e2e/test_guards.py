@@ -7,6 +7,7 @@ token, 737280 per 16-token block. 32 MiB = 45 blocks → 44 usable → max_model
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -72,6 +73,7 @@ def test_direct_zmq_oversized_request_errors_while_others_are_served(small_kv_se
     thread.start()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, os.urandom(16))  # a session needs an unguessable id
     sock.connect(engine_address(small_kv_server))
     decoder = codec.engine_to_client_decoder()
     try:
