@@ -364,7 +364,7 @@ class EngineClient:
         self._notify("on_outputs", message, time.monotonic())
         for output in message.outputs:
             queue = self._queues.get(output.request_id)
-            if queue is not None:
+            if queue is not None and not output.duplicate_id:  # not the live request's
                 queue.put_nowait(output)
 
     def _notify(self, event: str, *args: Any) -> None:

@@ -117,6 +117,8 @@ class EngineCoreClient:
         self._drain(0.0)
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if request_id in self._in_flight:  # the engine would refuse it (duplicate_id)
+            raise ValueError(f"request id {request_id!r} is already in flight; use a new id")
         self._send(
             m.AddRequest(
                 request_id, prompt_token_ids, sampling_params, time.time(), priority, cache_salt
@@ -215,6 +217,8 @@ class EngineCoreClient:
             if event.scheduler_stats is not None:
                 self.latest_stats = event.scheduler_stats
             for output in event.outputs:
+                if output.duplicate_id:  # a refused re-add: the live request goes on
+                    continue
                 self._pending[output.request_id].append(output)
                 if output.finish_reason is not None:
                     self._in_flight.discard(output.request_id)
