@@ -115,8 +115,8 @@ def test_golden_bytes_of_engine_outputs():
     message = m.EngineOutputs([m.RequestOutput("a", [7], m.FinishReason.LENGTH)])
     # finish_reason LENGTH travels as the int 1
     assert codec.encode(message).hex() == (
-        # [tag, [RequestOutput: 13 fields], stats nil, timestamp]
-        "94a76f757470757473919da161910701c0c00000c0c0c0c0c0c0c0cb0000000000000000"
+        # [tag, [RequestOutput: 14 fields, duplicate_id false last], stats nil, timestamp]
+        "94a76f757470757473919ea161910701c0c00000c0c0c0c0c0c0c2c0cb0000000000000000"
     )
 
 
