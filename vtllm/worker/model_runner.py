@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from vtllm import envs
+from vtllm.protocol.limits import effective_temperature
 from vtllm.protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from vtllm.worker.attention import build_attention_metadata
 from vtllm.worker.decode_graphs import DecodeGraphs, capture_sizes
@@ -206,7 +207,7 @@ class ModelRunner:
             return None
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed)
-        if params.temperature > 0.0:
+        if effective_temperature(params.temperature) > 0.0:  # greedy draws nothing
             advance_generator(generator, self.vocab_size, num_outputs)
         return generator
 
