@@ -24,7 +24,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from vtllm.worker.kernels import activation, paged_attention, reshape_and_cache, rms_norm, rotary
+from vtllm.worker.kernels import (
+    activation,
+    fused_moe,
+    paged_attention,
+    reshape_and_cache,
+    rms_norm,
+    rotary,
+)
 
 TARGETS = {
     "mi300-gfx942": GPUTarget("hip", "gfx942", 64),
@@ -46,6 +53,11 @@ _POINTER_TYPES = {
     "partial_out_ptr": "*fp32",
     "partial_max_ptr": "*fp32",
     "partial_sum_ptr": "*fp32",
+    "pair_weights_ptr": "*fp32",
+    "sorted_pair_ids_ptr": "*i32",
+    "block_expert_ids_ptr": "*i32",
+    "num_padded_ptr": "*i32",
+    "pair_expert_ids_ptr": "*i32",
 }
 _FLOAT_SCALARS = {"scale_log2", "eps"}
 
@@ -131,6 +143,34 @@ VARIANTS = [
         activation._act_and_mul_kernel,
         "fp32",
         dict(BLOCK=1024, USE_GELU_TANH=False),
+    ),
+    Variant(
+        "fused_moe_gemm/bf16-gate-up-silu",
+        fused_moe._fused_moe_gemm_kernel,
+        "bf16",
+        dict(A_PAIRS_PER_ROW=8, GATED=True, ACTIVATION=0, MUL_WEIGHT=False)
+        | dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32),
+    ),
+    Variant(
+        "fused_moe_gemm/fp16-down-weighted",
+        fused_moe._fused_moe_gemm_kernel,
+        "fp16",
+        dict(A_PAIRS_PER_ROW=1, GATED=False, ACTIVATION=0, MUL_WEIGHT=True)
+        | dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64),
+    ),
+    Variant(
+        "fused_moe_gemv/bf16-gate-up-gelu-tanh",
+        fused_moe._fused_moe_gemv_kernel,
+        "bf16",
+        dict(A_PAIRS_PER_ROW=8, GATED=True, ACTIVATION=1, MUL_WEIGHT=False)
+        | dict(BLOCK_N=64, BLOCK_K=64),
+    ),
+    Variant(
+        "fused_moe_gemv/bf16-down-weighted",
+        fused_moe._fused_moe_gemv_kernel,
+        "bf16",
+        dict(A_PAIRS_PER_ROW=1, GATED=False, ACTIVATION=0, MUL_WEIGHT=True)
+        | dict(BLOCK_N=64, BLOCK_K=64),
     ),
 ]
 

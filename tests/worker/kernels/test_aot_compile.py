@@ -19,7 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from vtllm.worker.kernels import activation, paged_attention, reshape_and_cache, rms_norm, rotary
+from vtllm.worker.kernels import (
+    activation,
+    fused_moe,
+    paged_attention,
+    reshape_and_cache,
+    rms_norm,
+    rotary,
+)
 
 from . import aot_compile
 
@@ -74,7 +81,7 @@ def reports(tmp_path_factory) -> dict[str, dict]:
 
 
 def _kernel_names() -> set[str]:
-    modules = (activation, paged_attention, reshape_and_cache, rms_norm, rotary)
+    modules = (activation, fused_moe, paged_attention, reshape_and_cache, rms_norm, rotary)
     return {n for m in modules for n in vars(m) if n.startswith("_") and n.endswith("_kernel")}
 
 
@@ -106,7 +113,7 @@ def test_every_kernel_compiles_for_target(target_name, reports):
         else:
             assert stages["ptx"]["target"].startswith(f"sm_{target.arch}"), stages["ptx"]
         assembly = stages["amdgcn" if target.backend == "hip" else "ptx"]
-        if r["kernel"] == "_paged_attention_kernel":
+        if r["kernel"] in ("_paged_attention_kernel", "_fused_moe_gemm_kernel"):
             # tl.dot reached the matrix units: MFMA (CDNA), WMMA (RDNA4), mma/wgmma (Hopper)
             assert assembly["matrix_instructions"] > 0, r["variant"]
         for binary in ("hsaco", "cubin"):

@@ -12,12 +12,21 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from vtllm.worker.kernels import activation, paged_attention, reshape_and_cache, rms_norm, rotary
+from vtllm.worker.kernels import (
+    activation,
+    fused_moe,
+    paged_attention,
+    reshape_and_cache,
+    rms_norm,
+    rotary,
+)
 
 from .conftest import NEEDS_FRESH_PROCESS, ON_GPU, interpreter_ready
 
 KERNELS = [
     activation._act_and_mul_kernel,
+    fused_moe._fused_moe_gemm_kernel,
+    fused_moe._fused_moe_gemv_kernel,
     paged_attention._paged_attention_kernel,
     paged_attention._paged_attention_reduce_kernel,
     reshape_and_cache._reshape_and_cache_kernel,

@@ -1,0 +1,321 @@
+"""Fused mixture-of-experts MLP: ``sum_j w_j * down_e(act(gate_e(x)) * up_e(x))`` over each
+token's top-k experts ``e = topk_ids[t, j]`` with routing weights ``w_j = topk_weights[t, j]``.
+
+Each (token, j) is a *pair*, numbered ``pair_id = t * top_k + j``. Two Triton GEMMs do the
+work, both over pairs; the weighted sum over a token's k pairs is a ``view(T, k, H).sum(1)``::
+
+    x [T, H] --(w13: gate|up, act(gate) * up fused in the epilogue)--> inter [T*k, I]
+    inter    --(w2: down, times the pair's routing weight)-----------> out   [T*k, H]
+    out.view(T, k, H).sum(1)                                        -> y     [T, H]
+
+Two paths, chosen by how many pairs each expert gets on average:
+
+* **grouped GEMM** (prefill): pairs are sorted by expert and each expert's run padded to a
+  multiple of ``BLOCK_M`` (``align_pairs_by_expert``), so every M-block of the sorted list
+  belongs to one expert and is one ``tl.dot`` tile against that expert's weights::
+
+      sorted_pair_ids: [ e0 e0 e0 pad | e2 e2 e2 e2 | e2 pad pad pad | e5 pad pad pad | unused.. ]
+      block_expert_ids:[     0        |      2      |       2        |       5        | ...      ]
+
+  The grid is sized for the worst case, ``cdiv(P, BLOCK_M) + min(E, P)`` blocks, and blocks
+  past ``num_padded`` return at once: no host sync, CUDA-graph safe.
+* **per-pair GEMV** (decode, ``P <= E``: most experts see at most one pair): one program per
+  (pair, N tile) reads its expert's rows once, with no sort and no padded rows.
+
+Weight layout is the HF one: ``w13 [E, 2*I, H]`` (gate rows, then up rows) and
+``w2 [E, H, I]``. The intermediate is stored in x's dtype (rounded once after the fp32
+activation); accumulation is fp32; fp32 inputs use IEEE fp32 dots (no TF32).
+
+Hooks for later work: ``ACTIVATIONS`` already has GELU(tanh) for Gemma 4's experts; FP8
+experts add per-expert scale pointers and a ``W_FP8`` constexpr that multiplies the fp32
+accumulator by the scale in the epilogue (block scales: inside the K loop).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# name → constexpr code of the gate activation (``silu``: SwiGLU; ``gelu_tanh``: GeGLU)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+@triton.jit
+def _gate_activation(gate, ACTIVATION: tl.constexpr):
+    """fp32 ``act(gate)``; GELU(tanh) through ``0.5 * (1 + tanh(u)) == sigmoid(2u)``."""
+    if ACTIVATION == 1:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi)
+        return gate * tl.sigmoid(2.0 * inner)
+    return gate * tl.sigmoid(gate)
+
+
+@triton.jit
+def _fused_moe_gemm_kernel(
+    out_ptr,  # [num_pairs, n]
+    a_ptr,  # [num_pairs // A_PAIRS_PER_ROW, k]: tokens (first GEMM) or the intermediate
+    w_ptr,  # [num_experts, n * (2 if GATED else 1), k]
+    pair_weights_ptr,  # [num_pairs] fp32; read when MUL_WEIGHT
+    sorted_pair_ids_ptr,  # [max_blocks * BLOCK_M] i32; padding holds num_pairs
+    block_expert_ids_ptr,  # [max_blocks] i32
+    num_padded_ptr,  # [1] i32: used length of sorted_pair_ids
+    n,
+    k,
+    num_pairs,
+    stride_a_row,
+    stride_out_row,
+    stride_w_expert,
+    stride_w_row,
+    A_PAIRS_PER_ROW: tl.constexpr,  # top_k when a holds tokens, 1 when it holds pairs
+    GATED: tl.constexpr,  # w holds gate rows then up rows: out = act(a @ gate) * (a @ up)
+    ACTIVATION: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,  # out *= the pair's routing weight
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair_ids = tl.load(sorted_pair_ids_ptr + offs_m)  # [BLOCK_M]
+    pair_mask = pair_ids < num_pairs
+    a_rows = (pair_ids // A_PAIRS_PER_ROW).to(tl.int64)
+    expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_a_row + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = (  # [BLOCK_K, BLOCK_N]: w[expert, n, k] read transposed
+        w_ptr + expert * stride_w_expert + offs_n[None, :].to(tl.int64) * stride_w_row
+    ) + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        k_mask = offs_k + k0 < k
+        a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+        if GATED:
+            w_up = tl.load(w_ptrs + n * stride_w_row, mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if GATED:
+        acc = _gate_activation(acc, ACTIVATION) * acc_up
+    if MUL_WEIGHT:
+        weights = tl.load(pair_weights_ptr + pair_ids, mask=pair_mask, other=0.0)
+        acc = acc * weights[:, None]
+    out_ptrs = out_ptr + pair_ids.to(tl.int64)[:, None] * stride_out_row + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _fused_moe_gemv_kernel(
+    out_ptr,  # [num_pairs, n]
+    a_ptr,  # [num_pairs // A_PAIRS_PER_ROW, k]
+    w_ptr,  # [num_experts, n * (2 if GATED else 1), k]
+    pair_weights_ptr,  # [num_pairs] fp32; read when MUL_WEIGHT
+    pair_expert_ids_ptr,  # [num_pairs] i32: topk_ids flattened
+    n,
+    k,
+    stride_a_row,
+    stride_out_row,
+    stride_w_expert,
+    stride_w_row,
+    A_PAIRS_PER_ROW: tl.constexpr,
+    GATED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pair_id = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    expert = tl.load(pair_expert_ids_ptr + pair_id).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n
+    offs_k = tl.arange(0, BLOCK_K)
+    a_row = a_ptr + (pair_id // A_PAIRS_PER_ROW) * stride_a_row
+    w_ptrs = (  # [BLOCK_N, BLOCK_K]
+        w_ptr + expert * stride_w_expert + offs_n[:, None].to(tl.int64) * stride_w_row
+    ) + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        k_mask = offs_k + k0 < k
+        a = tl.load(a_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], axis=1)
+        if GATED:
+            w_up = tl.load(w_ptrs + n * stride_w_row, mask=w_mask, other=0.0).to(tl.float32)
+            acc_up += tl.sum(w_up * a[None, :], axis=1)
+        w_ptrs += BLOCK_K
+    if GATED:
+        acc = _gate_activation(acc, ACTIVATION) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(pair_weights_ptr + pair_id)
+    tl.store(out_ptr + pair_id * stride_out_row + offs_n, acc.to(out_ptr.dtype.element_ty), n_mask)
+
+
+def align_pairs_by_expert(
+    topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sorted_pair_ids, block_expert_ids, num_padded)`` for the grouped GEMM (see the
+    module docstring): pair ids grouped by expert (stable: ascending within an expert), each
+    expert's run padded with ``num_pairs`` to a multiple of ``block_m``; the expert of each
+    ``block_m`` block; the used length as a 1-element tensor. Sized for the worst case
+    (``cdiv(P, block_m) + min(E, P)`` blocks) so that nothing waits on the device."""
+    device = topk_ids.device
+    expert_of_pair = topk_ids.flatten().long()  # [num_pairs]
+    num_pairs = expert_of_pair.numel()
+    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair))  # [E]
+    padded_counts = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded_ends = padded_counts.cumsum(0)  # [E]
+    order = torch.argsort(expert_of_pair, stable=True)  # [num_pairs]: pairs by expert
+    sorted_experts = expert_of_pair[order]
+    rank_in_expert = (
+        torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
+    )
+    dest = (padded_ends - padded_counts)[sorted_experts] + rank_in_expert  # [num_pairs]
+    sorted_pair_ids = torch.full(
+        (max_blocks * block_m,), num_pairs, dtype=torch.int32, device=device
+    )
+    sorted_pair_ids[dest] = order.to(torch.int32)
+    block_starts = torch.arange(max_blocks, device=device) * block_m  # [max_blocks]
+    block_expert_ids = torch.searchsorted(padded_ends, block_starts, right=True)
+    block_expert_ids = block_expert_ids.clamp_(max=num_experts - 1).to(torch.int32)
+    num_padded = padded_ends[-1:].to(torch.int32)  # [1]
+    return sorted_pair_ids, block_expert_ids, num_padded
+
+
+def _gemm_tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by the mean number of pairs per expert."""
+    if num_pairs <= 4 * num_experts:
+        return 16, 64, 64, 4
+    return 64, 64, 32, 4
+
+
+def _launch(
+    out: torch.Tensor,  # [num_pairs, n]
+    a: torch.Tensor,  # [num_a_rows, k]
+    w: torch.Tensor,  # [E, n or 2n, k]
+    topk_weights: torch.Tensor,  # [num_pairs] fp32
+    topk_ids: torch.Tensor,  # [num_pairs] i32
+    alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None,
+    a_pairs_per_row: int,
+    gated: bool,
+    activation: int,
+    mul_weight: bool,
+) -> None:
+    num_pairs, n = out.shape
+    k = a.shape[1]
+    common = dict(
+        A_PAIRS_PER_ROW=a_pairs_per_row, GATED=gated, ACTIVATION=activation, MUL_WEIGHT=mul_weight
+    )
+    strides = (a.stride(0), out.stride(0), w.stride(0), w.stride(1))
+    if alignment is None:
+        block_n, block_k = 64, 64
+        grid = (num_pairs, triton.cdiv(n, block_n))
+        _fused_moe_gemv_kernel[grid](
+            out, a, w, topk_weights, topk_ids, n, k, *strides,
+            **common, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        )  # fmt: skip
+        return
+    sorted_pair_ids, block_expert_ids, num_padded, block_m = alignment
+    _, block_n, block_k, num_warps = _gemm_tiles(num_pairs, w.shape[0])
+    grid = (block_expert_ids.numel(), triton.cdiv(n, block_n))
+    _fused_moe_gemm_kernel[grid](
+        out, a, w, topk_weights, sorted_pair_ids, block_expert_ids, num_padded,
+        n, k, num_pairs, *strides,
+        **common, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def fused_moe(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: gate rows, then up rows
+    w2: torch.Tensor,  # [num_experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k], any float dtype
+    topk_ids: torch.Tensor,  # [num_tokens, top_k], expert ids in [0, num_experts)
+    activation: str = "silu",
+    path: str = "auto",
+) -> torch.Tensor:
+    """The routed experts' weighted sum per token, ``[num_tokens, hidden]`` in x's dtype.
+
+    ``path``: ``auto`` (GEMV when ``num_tokens * top_k <= num_experts``, else grouped GEMM),
+    ``gemv`` or ``gemm``. Raises ValueError on inconsistent shapes.
+    """
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, w13_hidden = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    if (
+        w13_hidden != hidden
+        or two_inter % 2
+        or w2.shape != (num_experts, hidden, inter)
+        or topk_weights.shape != topk_ids.shape
+        or topk_ids.shape[0] != num_tokens
+    ):
+        raise ValueError(
+            f"fused_moe shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+            f"w2 {tuple(w2.shape)}, topk_ids {tuple(topk_ids.shape)}, "
+            f"topk_weights {tuple(topk_weights.shape)}"
+        )
+    if path not in ("auto", "gemv", "gemm"):
+        raise ValueError(f"path must be auto, gemv or gemm, got {path!r}")
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    pair_weights = topk_weights.reshape(num_pairs).float().contiguous()  # [num_pairs]
+    pair_experts = topk_ids.reshape(num_pairs).to(torch.int32).contiguous()  # [num_pairs]
+    use_gemv = path == "gemv" or (path == "auto" and num_pairs <= num_experts)
+    alignment = None
+    if not use_gemv:
+        block_m = _gemm_tiles(num_pairs, num_experts)[0]
+        alignment = (*align_pairs_by_expert(topk_ids, num_experts, block_m), block_m)
+    act = ACTIVATIONS[activation]
+    inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
+    _launch(inter_out, x, w13, pair_weights, pair_experts, alignment, top_k, True, act, False)
+    pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [P, H]
+    _launch(pair_out, inter_out, w2, pair_weights, pair_experts, alignment, 1, False, act, True)
+    # the weighted pairs of a token summed in fp32, rounded once
+    return pair_out.view(num_tokens, top_k, hidden).float().sum(1).to(x.dtype)
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """Plain-torch ``fused_moe`` (same contract): a loop over the experts that were hit,
+    fp32 math with the intermediate rounded to x's dtype, as the kernels do."""
+    num_tokens, hidden = x.shape
+    inter = w13.shape[1] // 2
+    act = ACTIVATIONS[activation]
+    acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    for expert in torch.unique(topk_ids).tolist():
+        token_idx, slot_idx = torch.nonzero(topk_ids == expert, as_tuple=True)
+        rows = x[token_idx].float()  # [n_e, hidden]
+        gate_up = rows @ w13[expert].float().t()  # [n_e, 2 * inter]
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        if act == ACTIVATIONS["gelu_tanh"]:
+            activated = torch.nn.functional.gelu(gate, approximate="tanh")
+        else:
+            activated = torch.nn.functional.silu(gate)
+        inter_rows = (activated * up).to(x.dtype).float()  # [n_e, inter]
+        down = inter_rows @ w2[expert].float().t()  # [n_e, hidden]
+        weights = topk_weights[token_idx, slot_idx].float()[:, None]
+        acc.index_add_(0, token_idx, (down * weights).to(x.dtype).float())
+    return acc.to(x.dtype)
