@@ -41,7 +41,7 @@ def hf_config(kind: str):
     ``mistral`` (sliding window on every layer), ``qwen2`` (qkv bias, sliding window from
     layer 1 on), ``qwen3`` (q/k norm, explicit head_dim) or ``gemma3`` (local/global
     layers with their own rope, GeGLU, (1 + w) norms, query_pre_attn_scalar, logit
-    soft-capping)."""
+    soft-capping), ``qwen3_moe`` or ``mixtral`` (mixtures of experts)."""
     import transformers
 
     if kind == "llama":
@@ -86,6 +86,25 @@ def hf_config(kind: str):
             query_pre_attn_scalar=24,
             final_logit_softcapping=0.5,
             tie_word_embeddings=True,
+        )
+    if kind == "qwen3_moe":  # layer 1 dense (mlp_only_layers), top-2 of 8 not renormalised
+        return transformers.Qwen3MoeConfig(
+            **{**_COMMON, "num_hidden_layers": 3},
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        )
+    if kind == "mixtral":  # top-2 of 4 experts, sliding window on every layer
+        return transformers.MixtralConfig(
+            **{**_COMMON, "intermediate_size": 40},
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=SLIDING_WINDOW,
+            tie_word_embeddings=False,
         )
     raise ValueError(kind)
 

@@ -43,6 +43,9 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
     params = dict(model.named_parameters())  # tied parameters appear once, first name
     packed = getattr(model, "packed_modules_mapping", {})
     ignored = getattr(model, "ignored_checkpoint_suffixes", ())
+    # (name) -> (parameter name, shard id) | None: names the packed mapping cannot express
+    # (one tensor per MoE expert); None falls back to the packed mapping
+    map_name = getattr(model, "map_checkpoint_name", lambda name: None)
     expected = _expected_shards(model, params)
     loaded: set[tuple[str, str | int | None]] = set()
     unexpected: list[str] = []
@@ -50,7 +53,7 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
     for name, tensor in iter_safetensors(model_dir):
         if name.endswith(ignored):
             continue
-        param_name, shard_id = _map_name(name, packed)
+        param_name, shard_id = map_name(name) or _map_name(name, packed)
         param = params.get(param_name)
         if param is None:
             if _is_tied_alias(model, param_name):
@@ -97,7 +100,9 @@ def _expected_shards(
     for name in params:
         module_name = name.rsplit(".", 1)[0]
         shard_ids = getattr(modules.get(module_name), "shard_ids", None)
-        if shard_ids is not None and len(shard_ids) > 1:
+        if getattr(params[name], "shard_ids", None) is not None:  # one tensor per MoE expert
+            expected.update((name, s) for s in params[name].shard_ids)
+        elif shard_ids is not None and len(shard_ids) > 1:
             expected.update((name, s) for s in shard_ids)
         else:
             expected.add((name, None))

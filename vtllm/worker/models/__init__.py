@@ -10,6 +10,7 @@ from torch import nn
 from vtllm.worker.distributed import TPGroup
 from vtllm.worker.models.gemma3 import Gemma3Args, Gemma3ForCausalLM
 from vtllm.worker.models.llama import LlamaArgs, LlamaForCausalLM
+from vtllm.worker.models.moe_llama import MoeLlamaArgs, MoeLlamaForCausalLM
 
 # architecture → (argument parser, model class)
 _MODELS: dict[str, tuple[type[LlamaArgs], type[nn.Module]]] = {
@@ -18,6 +19,8 @@ _MODELS: dict[str, tuple[type[LlamaArgs], type[nn.Module]]] = {
     "Qwen2ForCausalLM": (LlamaArgs, LlamaForCausalLM),
     "Qwen3ForCausalLM": (LlamaArgs, LlamaForCausalLM),
     "Gemma3ForCausalLM": (Gemma3Args, Gemma3ForCausalLM),
+    "Qwen3MoeForCausalLM": (MoeLlamaArgs, MoeLlamaForCausalLM),
+    "MixtralForCausalLM": (MoeLlamaArgs, MoeLlamaForCausalLM),
 }
 
 

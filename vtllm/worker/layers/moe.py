@@ -1,0 +1,204 @@
+"""Mixture-of-experts layers: top-k routing and tensor-parallel experts.
+
+* ``select_experts`` turns router logits into each token's top-k expert ids and weights, as
+  the model family does it (``RouterSpec``);
+* ``FusedMoE`` holds every expert's gate/up/down and runs them through the fused Triton
+  kernel on a GPU, its plain-torch reference elsewhere. Tensor parallelism splits each
+  expert's intermediate dimension: rank r holds rows ``[r*I/tp, (r+1)*I/tp)`` of every
+  expert's gate and up (column-parallel) and the same columns of its down (row-parallel),
+  so the experts' outputs are partial sums and one all-reduce per layer completes them::
+
+      w13_weight [E, 2*I/tp, H]   rows: [ gate slice of rank r | up slice of rank r ]
+      w2_weight  [E, H, I/tp]     columns: the same slice of down
+
+* ``SparseMoeBlock`` is router + experts, the MLP of Qwen3-MoE and Mixtral layers.
+
+Checkpoints store one tensor per expert and projection (``...experts.{e}.gate_proj.weight``);
+``expert_checkpoint_name`` maps such a name onto ``w13_weight`` / ``w2_weight`` with the shard
+id ``(e, "gate" | "up" | "down")``, and each parameter lists its expected shard ids in
+``shard_ids`` for the loader's missing-tensor check.
+
+Extension points (not built yet): Gemma 4 routes through its own scaled router and calls
+``FusedMoE`` with ``activation="gelu_pytorch_tanh"`` and its own ``(weights, ids)``; its
+stacked ``experts.gate_up_proj [E, 2I, H]`` tensors need one more ``weight_loader`` case (a
+whole-tensor shard id that narrows each half per rank). FP8 experts change the two parameters'
+dtype and add ``w13_scale`` / ``w2_scale`` parameters in the same expert-major layout, which
+the loader fills per expert and the kernel applies to its fp32 accumulator.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vtllm.worker.distributed import TPGroup, divide
+
+# HF activation name → the fused-MoE kernel's name for it
+MOE_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+ExpertShardId = tuple[int, str]  # (expert id, "gate" | "up" | "down")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How a family turns router logits into top-k weights.
+
+    ``scoring``: ``softmax`` over all experts or ``sigmoid`` per expert (in fp32), then the
+    top ``top_k`` scores; ``renormalize`` divides them by their sum. ``round_weights``
+    rounds the weights to the logits' dtype (Qwen3-MoE does; Mixtral keeps fp32).
+
+    Qwen3-MoE: softmax, renormalize = ``norm_topk_prob``. Mixtral: softmax, renormalize
+    (the same as a softmax over the top-k logits).
+    """
+
+    top_k: int
+    scoring: str = "softmax"
+    renormalize: bool = True
+    round_weights: bool = False
+
+
+def select_experts(
+    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    spec: RouterSpec,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_weights, topk_ids)``, both ``[num_tokens, top_k]``; ids in descending score
+    order (``torch.topk``), weights fp32 unless ``spec.round_weights``."""
+    logits = router_logits.float()
+    if spec.scoring == "softmax":
+        scores = logits.softmax(dim=-1)
+    elif spec.scoring == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        raise ValueError(f"router scoring must be softmax or sigmoid, got {spec.scoring!r}")
+    topk_weights, topk_ids = torch.topk(scores, spec.top_k, dim=-1)  # each [num_tokens, k]
+    if spec.renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    if spec.round_weights:
+        topk_weights = topk_weights.to(router_logits.dtype)
+    return topk_weights, topk_ids
+
+
+def _empty_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class FusedMoE(nn.Module):
+    """``num_experts`` gated MLPs, each token's output the weighted sum of its top-k; each
+    expert's intermediate dim split over the TP ranks (module docstring)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TPGroup,
+        activation: str = "silu",
+    ) -> None:
+        super().__init__()
+        if activation not in MOE_ACTIVATIONS:
+            raise NotImplementedError(
+                f"expert activation {activation!r} is not supported "
+                f"(supported: {', '.join(MOE_ACTIVATIONS)})"
+            )
+        self.tp = tp
+        self.num_experts = num_experts
+        self.activation = MOE_ACTIVATIONS[activation]
+        self.local_size = divide(intermediate_size, tp.size, "moe intermediate size")
+        self.w13_weight = _empty_param(num_experts, 2 * self.local_size, hidden_size)
+        self.w2_weight = _empty_param(num_experts, hidden_size, self.local_size)
+        self.w13_weight.shard_ids = [(e, s) for e in range(num_experts) for s in ("gate", "up")]
+        self.w2_weight.shard_ids = [(e, "down") for e in range(num_experts)]
+        for param in (self.w13_weight, self.w2_weight):
+            param.weight_loader = self.weight_loader
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ExpertShardId
+    ) -> None:
+        """Copy this rank's slice of one expert's full gate / up ``[I, H]`` or down
+        ``[H, I]`` checkpoint tensor; ValueError on a wrong shape or expert id."""
+        expert, kind = shard_id
+        size, rank = self.local_size, self.tp.rank
+        full = size * self.tp.size
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range: the model has {self.num_experts}")
+        hidden = self.w2_weight.shape[1]
+        expected = (hidden, full) if kind == "down" else (full, hidden)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(
+                f"expert {expert} {kind}: checkpoint shape {tuple(loaded.shape)}, "
+                f"expected {expected}"
+            )
+        if kind == "down":
+            param.data[expert].copy_(loaded.narrow(1, rank * size, size))
+        else:
+            offset = 0 if kind == "gate" else size
+            param.data[expert].narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        topk_weights: torch.Tensor,  # [num_tokens, top_k]
+        topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    ) -> torch.Tensor:
+        from vtllm.worker.kernels import fused_moe as kernels
+
+        moe = kernels.fused_moe if x.is_cuda else kernels.fused_moe_ref
+        out = moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation)
+        return self.tp.all_reduce(out)  # [num_tokens, hidden]
+
+
+class Router(nn.Module):
+    """The replicated ``[num_experts, hidden]`` gate projection (no bias)."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = _empty_param(num_experts, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)  # [num_tokens, num_experts]
+
+
+class SparseMoeBlock(nn.Module):
+    """``gate`` (router) + ``experts``: Qwen3-MoE's ``mlp`` and Mixtral's
+    ``block_sparse_moe`` (no shared expert)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        intermediate_size: int,
+        router: RouterSpec,
+        tp: TPGroup,
+        activation: str = "silu",
+    ) -> None:
+        super().__init__()
+        self.router = router
+        self.gate = Router(hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp, activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(self.gate(x), self.router)
+        return self.experts(x, topk_weights, topk_ids)  # [num_tokens, hidden]
+
+
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def expert_checkpoint_name(
+    name: str, projections: dict[str, str]
+) -> tuple[str, ExpertShardId] | None:
+    """``(parameter name, (expert, kind))`` for a per-expert checkpoint tensor such as
+    ``model.layers.3.mlp.experts.17.gate_proj.weight``, or None for any other name.
+    ``projections`` maps the checkpoint's projection names to ``gate`` / ``up`` / ``down``
+    (Qwen3-MoE: ``gate_proj`` / ``up_proj`` / ``down_proj``; Mixtral: ``w1`` / ``w3`` / ``w2``).
+    """
+    match = _EXPERT_TENSOR.match(name)
+    if match is None or match["proj"] not in projections:
+        return None
+    kind = projections[match["proj"]]
+    param = "w2_weight" if kind == "down" else "w13_weight"
+    return f"{match['prefix']}.{param}", (int(match["expert"]), kind)

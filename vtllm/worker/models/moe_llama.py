@@ -1,0 +1,169 @@
+"""Llama-family decoders whose MLPs are mixtures of experts: Qwen3-MoE and Mixtral.
+
+Attention, norms, rope, embeddings and the residual wiring are ``llama.py``'s; a layer's
+MLP is a ``SparseMoeBlock`` (router + fused experts) or, for Qwen3-MoE layers listed in
+``mlp_only_layers`` or skipped by ``decoder_sparse_step``, the dense ``LlamaMLP``.
+
+Family differences (transformers 5.24's modeling code):
+
+* **Qwen3-MoE** (``qwen3_moe``): q/k RMSNorm per head; router softmax over all experts in
+  fp32, top-k, divided by their sum only if ``norm_topk_prob``, then rounded to the
+  activation dtype; experts ``mlp.experts.{e}.gate_proj|up_proj|down_proj``.
+* **Mixtral** (``mixtral``): no q/k norm; router softmax, top-k, always renormalised (equal
+  to a softmax over the top-k logits), weights kept fp32; a sliding window on every layer
+  when ``sliding_window`` is set; checkpoint names ``block_sparse_moe.experts.{e}.w1|w3|w2``
+  (gate, up, down), read here as ``mlp``.
+
+Shared experts (Qwen2-MoE, DeepSeek) and grouped top-k routing are refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from torch import nn
+
+from vtllm.worker.distributed import TPGroup
+from vtllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from vtllm.worker.layers.moe import RouterSpec, SparseMoeBlock, expert_checkpoint_name
+from vtllm.worker.layers.norm import RMSNorm
+from vtllm.worker.layers.rotary import RotaryEmbedding
+from vtllm.worker.models.llama import (
+    LlamaArgs,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
+
+# model_type → checkpoint projection names of one expert → gate / up / down
+_EXPERT_PROJECTIONS = {
+    "qwen3_moe": {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
+    "mixtral": {"w1": "gate", "w3": "up", "w2": "down"},
+}
+# config keys of MoE variants this decoder does not implement
+_UNSUPPORTED_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "topk_group")
+
+
+@dataclass(frozen=True)
+class MoeLlamaArgs(LlamaArgs):
+    """``LlamaArgs`` plus the experts: count, width, routing, and which layers have them."""
+
+    model_type: str
+    num_experts: int
+    moe_intermediate_size: int
+    router: RouterSpec
+    moe_layers: tuple[bool, ...]  # per layer: experts (True) or the dense LlamaMLP
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> MoeLlamaArgs:
+        """Raises ValueError for missing keys, NotImplementedError for MoE variants (shared
+        experts, grouped routing) and model types this decoder does not implement."""
+        model_type = cfg.get("model_type")
+        if model_type not in _EXPERT_PROJECTIONS:
+            raise NotImplementedError(
+                f"model_type {model_type!r} is not a supported MoE family "
+                f"(supported: {', '.join(_EXPERT_PROJECTIONS)})"
+            )
+        unsupported = [key for key in _UNSUPPORTED_KEYS if cfg.get(key)]
+        if unsupported:
+            raise NotImplementedError(f"MoE config keys {unsupported} are not supported")
+        base = {f.name: getattr(LlamaArgs.from_hf_config(cfg), f.name) for f in fields(LlamaArgs)}
+        num_layers = base["num_layers"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        # released files say num_experts (Qwen3-MoE) or num_local_experts (Mixtral);
+        # transformers 5 writes num_local_experts for both
+        num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        if model_type == "qwen3_moe":
+            sparse_step = cfg.get("decoder_sparse_step", 1)
+            dense_layers = set(cfg.get("mlp_only_layers") or [])
+            moe_layers = tuple(
+                i not in dense_layers and num_experts > 0 and (i + 1) % sparse_step == 0
+                for i in range(num_layers)
+            )
+            window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+            router = RouterSpec(
+                top_k=cfg.get("num_experts_per_tok", 8),
+                renormalize=bool(cfg.get("norm_topk_prob", False)),
+                round_weights=True,
+            )
+            base |= dict(
+                qk_norm=True,
+                qkv_bias=attention_bias,
+                o_bias=attention_bias,
+                sliding_windows=(window,) * num_layers,
+            )
+            width = cfg.get("moe_intermediate_size", 768)
+        else:  # mixtral: every layer has experts as wide as intermediate_size
+            moe_layers = (True,) * num_layers
+            router = RouterSpec(top_k=cfg.get("num_experts_per_tok", 2), renormalize=True)
+            width = cfg["intermediate_size"]
+        if moe_layers and any(moe_layers) and not 0 < router.top_k <= num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({router.top_k}) must be in [1, {num_experts}] "
+                "(the number of experts)"
+            )
+        return cls(
+            **base,
+            model_type=model_type,
+            num_experts=num_experts,
+            moe_intermediate_size=width,
+            router=router,
+            moe_layers=moe_layers,
+        )
+
+
+class MoeLlamaDecoderLayer(LlamaDecoderLayer):
+    """``LlamaDecoderLayer`` (same forward) whose ``mlp`` may be a ``SparseMoeBlock``;
+    built without the parent's ``__init__`` so no dense MLP is ever allocated for it."""
+
+    def __init__(self, args: MoeLlamaArgs, tp: TPGroup, layer_idx: int) -> None:
+        nn.Module.__init__(self)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = LlamaAttention(args, tp, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if args.moe_layers[layer_idx]:
+            self.mlp = SparseMoeBlock(
+                args.hidden_size,
+                args.num_experts,
+                args.moe_intermediate_size,
+                args.router,
+                tp,
+                args.hidden_act,
+            )
+        else:
+            self.mlp = LlamaMLP(args, tp)
+
+
+class MoeLlamaModel(nn.Module):
+    def __init__(self, args: MoeLlamaArgs, tp: TPGroup) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            MoeLlamaDecoderLayer(args, tp, i) for i in range(args.num_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class MoeLlamaForCausalLM(LlamaForCausalLM):
+    """``LlamaForCausalLM`` (same forward and logits) over ``MoeLlamaModel``."""
+
+    def __init__(self, args: MoeLlamaArgs, tp: TPGroup) -> None:
+        nn.Module.__init__(self)
+        self.args = args
+        self.model = MoeLlamaModel(args, tp)
+        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope)
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, tuple[int, str] | None] | None:
+        """The loader's hook for names ``packed_modules_mapping`` cannot express: one
+        expert's projection → ``(w13_weight | w2_weight, (expert, kind))``; Mixtral's
+        ``block_sparse_moe.gate.weight`` → ``(mlp.gate.weight, None)``; None otherwise."""
+        renamed = name.replace(".block_sparse_moe.", ".mlp.")
+        expert = expert_checkpoint_name(renamed, _EXPERT_PROJECTIONS[self.args.model_type])
+        if expert is not None:
+            return expert
+        return (renamed, None) if renamed != name else None
