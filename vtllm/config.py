@@ -202,6 +202,29 @@ class FrontendConfig:
         "(<tool_call>{...}</tool_call>). Unset: chat requests with tools are refused.",
         choices=("hermes",),
     )
+    max_json_depth: int = _opt(
+        64,
+        "Deepest nesting of JSON arrays/objects accepted in a request body (anywhere: "
+        "tools, response_format, unknown fields); deeper is a 400.",
+    )
+    max_choices_per_request: int = _opt(
+        256,
+        "Most engine requests one HTTP request may become: n x the number of prompts of "
+        "/v1/completions, n of /v1/chat/completions; more is a 400.",
+    )
+    http_header_timeout: float = _opt(
+        10.0,
+        "Seconds a client has to send its request headers (from connecting, or from its "
+        "first byte on a kept-alive connection); then 408 and the connection is closed.",
+    )
+    http_body_timeout: float = _opt(
+        60.0,
+        "Seconds a client has to send its request body after the headers; then 408 and "
+        "the connection is closed.",
+    )
+    http_keep_alive_timeout: float = _opt(
+        5.0, "Seconds an idle kept-alive HTTP connection stays open between requests."
+    )
 
 
 @dataclass

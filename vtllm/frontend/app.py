@@ -1,12 +1,16 @@
 """The HTTP server: Starlette routes over a connected ``EngineClient``.
 
 Every error is answered in OpenAI shape ``{"error": {message, type, param, code}}``:
-bad JSON or a wrong field → 400 naming the field, unknown model → 404, a body over
-``--max-request-bytes`` → 413, engine dead → 503. A client mistake is never a 500.
+bad JSON or a wrong field → 400 naming the field (also: not UTF-8, nested deeper than
+``--max-json-depth``), unknown model → 404, a body over ``--max-request-bytes`` → 413, a
+client too slow to send its request → 408 (http_deadlines.py), engine dead → 503. A
+client mistake is never a 500, and client values echoed in errors are clipped.
 
 With an API key (``--api-key`` / ``VT_API_KEY``), ``/v1/*``, ``/tokenize`` and
-``/detokenize`` need ``Authorization: Bearer <key>`` (else 401); ``/health``,
-``/metrics``, ``/version`` and ``/openapi.json`` stay open.
+``/detokenize`` need ``Authorization: Bearer <key>`` (else 401; the scheme in any case,
+the key compared in constant time); ``/health``, ``/metrics``, ``/version`` and
+``/openapi.json`` stay open. No route redirects (a trailing slash is a 404, never a
+redirect built from the ``Host`` header).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import signal
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -33,9 +38,11 @@ from starlette.routing import Route
 import vtllm
 from vtllm import envs
 from vtllm.config import VtllmConfig
+from vtllm.frontend.body_guard import check_body
 from vtllm.frontend.drain import Drain, DrainingServer, DrainMiddleware
 from vtllm.frontend.generation import GenerationError, error_for
 from vtllm.frontend.health import EngineHealth
+from vtllm.frontend.http_deadlines import DeadlineH11Protocol
 from vtllm.frontend.metrics import FrontendMetrics, StatsLogger
 from vtllm.frontend.openai_types import OpenAIError
 from vtllm.frontend.openapi import openapi_document
@@ -48,6 +55,9 @@ from vtllm.protocol import transport
 from vtllm.protocol.async_client import EngineClient, EngineDeadError, HandshakeError
 
 logger = logging.getLogger(__name__)
+
+# Largest request head (request line and headers) h11 buffers; more is a 400.
+MAX_HEADER_BYTES = 64 * 1024
 
 Handler = Callable[[ServingContext, bytes, Callable[[], Awaitable[bool]]], Awaitable[Response]]
 
@@ -74,6 +84,34 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def bearer_token(authorization: str) -> bytes | None:
+    """The credentials of an ``Authorization: Bearer <token>`` header (the scheme is
+    case-insensitive, RFC 7235), as the bytes the client sent; None for another scheme."""
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip().encode("latin-1")  # Starlette decoded the header as latin-1
+
+
+def uvicorn_config(app: Starlette, config: VtllmConfig, **overrides: Any) -> uvicorn.Config:
+    """uvicorn settings every vtllm HTTP server uses: h11 with read deadlines
+    (``--http-header-timeout``, ``--http-body-timeout``), bounded headers, the
+    keep-alive timeout; ``overrides`` are passed on (host, port, log settings)."""
+    frontend = config.frontend
+    protocol = DeadlineH11Protocol.with_deadlines(
+        frontend.http_header_timeout, frontend.http_body_timeout
+    )
+    settings: dict[str, Any] = {
+        "host": frontend.host,
+        "port": frontend.port,
+        "http": protocol,
+        "timeout_keep_alive": frontend.http_keep_alive_timeout,
+        "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
+        **overrides,
+    }
+    return uvicorn.Config(app, **settings)
 
 
 def _served_name(config: VtllmConfig, model_dir: str, engine: EngineClient) -> str:
@@ -113,6 +151,7 @@ def build_context(
         default_max_tokens=config.frontend.default_max_tokens,
         model_aliases=aliases,
         tool_call_parser=config.frontend.tool_call_parser,
+        max_choices_per_request=config.frontend.max_choices_per_request,
     )
 
 
@@ -126,12 +165,15 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
     engine_client.add_observer(engine_health)
     max_bytes = config.frontend.max_request_bytes
     api_key = config.frontend.api_key or envs.VT_API_KEY
-    expected_auth = f"Bearer {api_key}".encode()
+    expected_key = (api_key or "").encode()
+    max_depth = config.frontend.max_json_depth
     openapi = json_response(openapi_document(vtllm.__version__, bool(api_key), ctx.vocab_size)).body
 
     def check_auth(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if api_key and not hmac.compare_digest(given, expected_auth):
+        if not api_key:
+            return
+        given = bearer_token(request.headers.get("authorization", ""))
+        if given is None or not hmac.compare_digest(given, expected_key):
             raise OpenAIError(
                 401,
                 "missing or wrong API key (Authorization: Bearer <key>)",
@@ -143,6 +185,7 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
             try:
                 check_auth(request)
                 body = await read_body(request, max_bytes)
+                check_body(body, max_depth)
                 if not engine_client.is_alive:
                     raise EngineDeadError(engine_client.dead_reason or "not connected")
                 return await handler(ctx, body, request.is_disconnected)
@@ -213,6 +256,8 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
             Exception: on_unexpected,
         },
     )
+    # a trailing slash is a 404: Starlette's redirect would build Location from Host
+    app.router.redirect_slashes = False
     app.state.serving = ctx
     app.state.metrics = metrics
     app.state.health = engine_health
@@ -295,10 +340,9 @@ async def _serve(
     try:
         app = build_app(config, model_dir, engine)
         drain = app.state.serving.drain
-        uv_config = uvicorn.Config(
+        uv_config = uvicorn_config(
             app,
-            host=config.frontend.host,
-            port=config.frontend.port,
+            config,
             log_level=envs.VT_LOG_LEVEL.lower(),
             log_config=None,  # vtllm's own handlers (text or JSON lines, see vtllm/log.py)
             timeout_graceful_shutdown=5,  # a backstop: the drain has ended every request

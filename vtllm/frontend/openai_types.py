@@ -8,7 +8,9 @@ request must meet is written here, as a type or a ``msgspec.Meta``.
 Fields we know but cannot honour yet (``logit_bias``, guided decoding, ...) are declared
 so that only their "off" value is accepted; anything else is a 400 saying it is not
 supported. Unknown fields are ignored (SDKs send some we do not use), with a warning in
-the server log the first time each one is seen.
+a bounded, rate-limited server log (unknown_fields.py); a body with more than
+``MAX_UNKNOWN_FIELDS`` of them is refused. Client values echoed in an error are clipped to
+``MAX_ECHO_CHARS``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
+from vtllm.frontend.unknown_fields import UnknownFieldLog
 from vtllm.protocol.limits import (
     INT64_MAX,
     INT64_MIN,
@@ -31,6 +34,11 @@ from vtllm.protocol.limits import (
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Client values echoed in errors (a model name, a bad enum value) are cut to this length.
+MAX_ECHO_CHARS = 200
+# A body naming more top-level fields than its endpoint knows plus this many is refused.
+MAX_UNKNOWN_FIELDS = 64
 
 # Every integer that travels to the engine fits in int64 (the msgpack wire format).
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
@@ -98,7 +106,16 @@ UNSUPPORTED_FIELDS = {
     "template is used (chat_template_kwargs are passed to it)",
 }
 
-_warned_unknown: set[tuple[str, str]] = set()
+UNKNOWN_FIELDS = UnknownFieldLog()
+
+
+def clip(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """``str(value)`` cut to ``limit`` characters (saying how long it was): what an error
+    message or log line may echo of a client's value."""
+    text = str(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 def decode_body(body: bytes, type_: type[T]) -> T:
@@ -114,23 +131,36 @@ def decode_body(body: bytes, type_: type[T]) -> T:
         field = (param or "").split(".", 1)[0].split("[", 1)[0]
         if field in UNSUPPORTED_FIELDS:
             raise bad_request(UNSUPPORTED_FIELDS[field], field) from None
-        raise bad_request(f"invalid request body: {e}", param) from None
+        raise bad_request(
+            f"invalid request body: {clip(e, 2 * MAX_ECHO_CHARS)}",
+            clip(param) if param is not None else None,
+        ) from None
     except msgspec.DecodeError as e:
-        raise bad_request(f"request body is not valid JSON: {e}") from None
-    _warn_unknown_fields(body, type_)
+        raise bad_request(f"request body is not valid JSON: {clip(e)}") from None
+    except RecursionError:  # check_body bounds the depth first; this is the backstop
+        raise bad_request("request body nests JSON too deeply") from None
+    _check_unknown_fields(body, type_)
     return request
 
 
-def _warn_unknown_fields(body: bytes, type_: type) -> None:
-    """Log (once per field) the body fields ``type_`` does not know: they are ignored."""
+def _check_unknown_fields(body: bytes, type_: type) -> None:
+    """Refuse a body with more than MAX_UNKNOWN_FIELDS fields ``type_`` does not know;
+    report the others (ignored) to the bounded log."""
     fields = getattr(type_, "__struct_fields__", None)
     if fields is None:
         return
-    keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw]).keys()
-    for key in keys - set(fields):
-        if (type_.__name__, key) not in _warned_unknown:
-            _warned_unknown.add((type_.__name__, key))
-            logger.warning("%s: ignoring the unknown field %r", type_.__name__, key)
+    try:
+        keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw]).keys()
+    except (msgspec.DecodeError, RecursionError):
+        raise bad_request("request body is not valid JSON") from None
+    unknown = keys - set(fields)
+    if len(unknown) > MAX_UNKNOWN_FIELDS:
+        raise bad_request(
+            f"request body has {len(unknown)} fields {type_.__name__} does not know; at "
+            f"most {MAX_UNKNOWN_FIELDS} unknown fields are ignored (remove them)"
+        )
+    if unknown:
+        UNKNOWN_FIELDS.report(type_.__name__, sorted(unknown))
 
 
 class StreamOptions(msgspec.Struct):

@@ -234,6 +234,7 @@ async def create_chat_completion(
 ) -> Response:
     request = decode_body(body, ChatCompletionRequest)
     ctx.check_model(request.model)
+    ctx.check_num_choices(1, request.n)
     response_id = new_id("chatcmpl")
     tool_plan = plan_tools(ctx, request)
     jobs = await ctx.off_loop(len(body), build_chat_jobs, ctx, request, response_id)

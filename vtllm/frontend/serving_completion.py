@@ -66,6 +66,7 @@ def build_completion_jobs(
     prompt's text (for ``echo``)."""
     _check_supported(ctx, request)
     prompts = request.prompts()
+    ctx.check_num_choices(len(prompts), request.n)
     requested = explicit_max_tokens(request.max_tokens)
     logprobs = request.logprobs
     logit_bias = parse_logit_bias(request.logit_bias, ctx.vocab_size)

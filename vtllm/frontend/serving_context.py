@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from vtllm.frontend.drain import Drain
 from vtllm.frontend.generation import ChoiceDelta
-from vtllm.frontend.openai_types import OpenAIError
+from vtllm.frontend.openai_types import OpenAIError, clip
 from vtllm.frontend.tokenizer import ModelTokenizer
 from vtllm.protocol.async_client import EngineClient
 
@@ -40,6 +40,7 @@ class ServingContext:
     default_max_tokens: int | None = None
     model_aliases: tuple[str, ...] = ()
     tool_call_parser: str | None = None  # --tool-call-parser
+    max_choices_per_request: int = 256  # --max-choices-per-request
     drain: Drain = field(default_factory=Drain)  # graceful stop (drain.py)
 
     async def off_loop(self, size: int, fn: Callable[..., T], *args: Any) -> T:
@@ -50,13 +51,28 @@ class ServingContext:
             return fn(*args)
         return await asyncio.to_thread(fn, *args)
 
+    def check_num_choices(self, num_prompts: int, n: int) -> None:
+        """Refuse (400) a request that would become more than --max-choices-per-request
+        engine requests: checked before any prompt is tokenized."""
+        if num_prompts * n <= self.max_choices_per_request:
+            return
+        what = f"{num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
+        raise OpenAIError(
+            400,
+            f"{what} asks for {num_prompts * n} choices; at most "
+            f"{self.max_choices_per_request} per request (send fewer prompts or a smaller n, "
+            "or raise --max-choices-per-request)",
+            param="n",
+            code="too_many_choices",
+        )
+
     def check_model(self, requested: str | None) -> None:
         """None or a served name is fine; anything else is a 404."""
         if requested is None or requested == self.model_name or requested in self.model_aliases:
             return
         raise OpenAIError(
             404,
-            f"the model {requested!r} does not exist; this server serves {self.model_name!r}",
+            f"the model {clip(requested)!r} does not exist; this server serves {self.model_name!r}",
             "invalid_request_error",
             "model",
             "model_not_found",
