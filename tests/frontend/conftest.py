@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tests.frontend.fake_engine import FakeEngine
 from vtllm.config import VtllmConfig
-from vtllm.frontend.app import build_app
+from vtllm.frontend.app import build_app, uvicorn_config
 from vtllm.protocol.async_client import EngineClient
 
 CHATML_TEMPLATE = (
@@ -130,9 +130,11 @@ async def serve(
         dead_reasons: list[str] = []
         engine = EngineClient()
         await engine.connect(fake.address, "test", on_dead=dead_reasons.append, timeout_s=5)
-        app = build_app(config or VtllmConfig(), str(path), engine)
+        config = config or VtllmConfig()
+        app = build_app(config, str(path), engine)
         sock = _free_socket()
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        # the production settings (read deadlines, header bound), on this test's socket
+        server = uvicorn.Server(uvicorn_config(app, config, log_level="warning", lifespan="off"))
         task = asyncio.create_task(server.serve(sockets=[sock]))
         await wait_until(lambda: server.started or task.done())
         port = sock.getsockname()[1]
