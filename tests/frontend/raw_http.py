@@ -94,8 +94,8 @@ class RawConnection:
 def dribble(
     port: int, pieces: list[bytes], interval_s: float, give_up_s: float
 ) -> tuple[bytes, float]:
-    """Connect and send ``pieces`` one per ``interval_s`` (stopping if the server closes),
-    then read until the server closes. Returns (everything the server sent, seconds from
+    """Connect and send ``pieces`` one per ``interval_s`` until the server answers or
+    closes, then read until it closes. Returns (everything the server sent, seconds from
     connecting to the close). Fails if the server keeps the connection past ``give_up_s``."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=give_up_s)
     started = time.monotonic()
@@ -105,15 +105,14 @@ def dribble(
         for piece in pieces:
             try:
                 sock.sendall(piece)
-            except OSError:  # closed by the server
-                break
-            try:
-                data = sock.recv(65536)
+                received = sock.recv(65536)
             except TimeoutError:
                 continue
-            received += data
-            if not data:
+            except OSError:  # reset by the server
                 return received, time.monotonic() - started
+            if not received:  # closed
+                return received, time.monotonic() - started
+            break  # the server answered: stop sending, read until it closes
         sock.settimeout(max(0.1, give_up_s - (time.monotonic() - started)))
         while True:
             try:
