@@ -7,6 +7,11 @@ status codes, content types and JSON schemas, every request has a timeout (an ev
 end with ``data: [DONE]`` within it), invalid requests must be rejected with a 4xx, and the
 server must be healthy afterwards.
 
+Hostile payloads ride on generated valid bodies: JSON nested far deeper than
+``--max-json-depth`` or invalid UTF-8, put in a documented field, an unknown field or a key;
+each must be a 400 in OpenAI shape, and a normal request must succeed promptly afterwards
+on the same kept-alive session.
+
 Bounded for CI: a fixed number of derandomized examples per operation and mode (no example
 database), and the expensive knobs (``max_tokens``, ``n``, prompt batches) are capped inside
 their valid ranges, so a run takes well under two minutes on a 2-core CPU.
@@ -26,6 +31,7 @@ import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import ServerError
@@ -295,6 +301,86 @@ def test_fuzz(server, schema, path, mode):
     assert ran >= MAX_EXAMPLES[mode] // 2, (ran, statuses)
     if mode == GenerationMode.POSITIVE:
         assert statuses.get(200, 0) > 0, statuses  # the fuzzing reached generation
+    assert_healthy(server)
+
+
+HOSTILE_EXAMPLES = 25
+PLACEHOLDER = "__hostile__"
+INVALID_UTF8 = [b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x80", b"\xf4\x90\x80\x80"]
+
+
+def _deep(kind: str, depth: int) -> bytes:
+    if kind == "arrays":
+        return b"[" * depth + b"]" * depth
+    if kind == "objects":
+        return b'{"a": ' * depth + b"1" + b"}" * depth
+    return b'[{"a": ' * (depth // 2) + b"1" + b"}]" * (depth // 2)  # mixed
+
+
+@st.composite
+def hostile_bodies(draw, operation) -> tuple[bytes, str]:
+    """A generated valid body with a hostile part spliced in: (bytes, what and where)."""
+    case = draw(operation.as_strategy(generation_mode=GenerationMode.POSITIVE))
+    body = case.body if isinstance(case.body, dict) else {}
+    kind = draw(st.sampled_from(["arrays", "objects", "mixed", "utf8 value", "utf8 key"]))
+    if kind == "utf8 key":
+        key = draw(st.text("abc", max_size=3)) + PLACEHOLDER
+        text = json.dumps({**body, key: 1}).encode()
+        bad = draw(st.sampled_from(INVALID_UTF8))
+        return text.replace(PLACEHOLDER.encode(), bad), f"{kind} {bad!r}"
+    key = draw(st.sampled_from([*sorted(body), "x_unknown"]))
+    if kind == "utf8 value":
+        bad = draw(st.sampled_from(INVALID_UTF8))
+        payload = (
+            b'"' + draw(st.binary(max_size=4)).replace(b'"', b"").replace(b"\\", b"") + bad + b'"'
+        )
+    else:
+        payload = _deep(kind, draw(st.sampled_from([66, 1_000, 100_000])))
+    text = json.dumps({**body, key: PLACEHOLDER}).encode()
+    return text.replace(f'"{PLACEHOLDER}"'.encode(), payload), f"{kind} in {key!r}"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("path", OPERATIONS)
+def test_hostile_payloads_are_400(server, schema, path):
+    operation = schema[path]["POST"]
+    session = requests.Session()
+    seen: set[str] = set()
+
+    @settings(
+        max_examples=HOSTILE_EXAMPLES,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+    @given(hostile=hostile_bodies(operation))
+    def run(hostile):
+        body, where = hostile
+        seen.add(where.split(" in ")[0].split(" b")[0])
+        reply = session.post(
+            f"{server.url}{path}",
+            data=body,
+            headers={"content-type": "application/json"},
+            timeout=REQUEST_TIMEOUT_S,
+        )
+        assert reply.status_code == 400, (where, reply.status_code, reply.text[:300])
+        assert set(reply.json()["error"]) == {"message", "type", "param", "code"}, reply.text
+
+    try:
+        started = time.monotonic()
+        run()
+        print(
+            f"POST {path}: {HOSTILE_EXAMPLES} hostile bodies in {time.monotonic() - started:.1f}s"
+        )
+        started = time.monotonic()
+        ok = session.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200 and time.monotonic() - started < 10, ok.text
+    finally:
+        session.close()
+    assert len(seen) >= 4, seen  # the cases were varied
     assert_healthy(server)
 
 
