@@ -84,13 +84,13 @@ def test_every_message_round_trips(messages, decoder):
 
 def test_golden_bytes_of_add_request():
     message = m.AddRequest("r1", [1, 2], m.SamplingParams(temperature=0.0, max_tokens=5))
-    # [tag "add", "r1", [1, 2], params [14 fields], arrival_time, priority, cache_salt]
+    # [tag "add", "r1", [1, 2], params [15 fields], arrival_time, priority, cache_salt]
     assert codec.encode(message).hex() == (
         "97"
         "a3616464"
         "a27231"
         "920102"
-        "9e"
+        "9f"
         "cb0000000000000000"
         "cb3ff0000000000000"
         "00"
@@ -105,6 +105,7 @@ def test_golden_bytes_of_add_request():
         "cb3ff0000000000000"
         "c0"
         "80"
+        "c0"  # structured_output: None
         "cb0000000000000000"
         "00"
         "c0"

@@ -8,6 +8,9 @@ ZMQ directly. Token ids are checked against the vocabulary by ``token_id_problem
 context by ``prompt_too_long_message``; ``resolve_max_tokens`` is the one place an unset
 ``max_tokens`` becomes a number.
 
+``MAX_STRUCTURED_OUTPUT_CHARS`` bounds a structured-output spec (``structured_output_problem``,
+checked by the frontend and, through ``sampling_problems``, by the engine core).
+
 ``LIST_LIMITS`` bounds how many entries a request's lists hold (stop strings, stop token
 ids, logit-bias entries) and ``MAX_STOP_STRING_CHARS`` how long one stop string is; the
 HTTP schema takes them through ``list_meta`` / ``STOP_STRING_META``, the engine core
@@ -120,6 +123,21 @@ STOP_STRING_META = msgspec.Meta(
 )
 
 
+# The longest structured-output spec (JSON schema, regex, choice list or EBNF grammar), in
+# characters: compiling a grammar costs time and memory that grow with its size.
+MAX_STRUCTURED_OUTPUT_CHARS = 65536
+
+
+def structured_output_problem(spec: str, field: str = "structured_output") -> str | None:
+    """Why a structured-output ``spec`` string is too long; None if it is not."""
+    if len(spec) <= MAX_STRUCTURED_OUTPUT_CHARS:
+        return None
+    return (
+        f"{field} has {len(spec)} characters, more than the {MAX_STRUCTURED_OUTPUT_CHARS} "
+        "allowed for a schema, regex, choice list or grammar; send a smaller one"
+    )
+
+
 def list_meta(field: str) -> msgspec.Meta:
     """``msgspec.Meta`` bounding the length of the request list ``field``."""
     limit = LIST_LIMITS[field]
@@ -154,6 +172,11 @@ def sampling_problems(params: Any) -> list[tuple[str, str]]:
         problem = list_problem(field, len(getattr(params, field)))
         if problem is not None:
             return [(field, problem)]  # before walking a list that may be huge
+    structured = getattr(params, "structured_output", None)
+    if structured is not None:
+        problem = structured_output_problem(structured.spec)
+        if problem is not None:
+            problems.append(("structured_output", problem))
     for field, bounds in SAMPLING_RANGES.items():
         value = getattr(params, field)
         if value is not None and not bounds.contains(value):

@@ -61,6 +61,32 @@ class ErrorCode(enum.IntEnum):
 # Shared parts
 
 
+class StructuredOutputKind(enum.IntEnum):
+    """What a ``StructuredOutputSpec.spec`` holds. Sent as an int on the wire."""
+
+    JSON_OBJECT = 0  # any JSON object; ``spec`` is unused
+    JSON_SCHEMA = 1  # a JSON schema, as JSON text
+    REGEX = 2  # a regular expression the whole output matches
+    CHOICE = 3  # a JSON array of strings: the output is exactly one of them
+    GRAMMAR = 4  # an EBNF grammar (xgrammar/GBNF syntax) whose start rule is ``root``
+
+
+class StructuredOutputSpec(_Part):
+    """Constrains the output to a format: before each sampled token, the worker masks
+    every token the format's grammar does not allow (``vtllm/worker/grammar.py``); EOS
+    and stop tokens are allowed only where the grammar may end. The size of ``spec`` is
+    bounded by ``limits.MAX_STRUCTURED_OUTPUT_CHARS``.
+
+    ``start_after_token_id``: enforcement starts after the first output token equal to
+    it (a reasoning model's end-of-thinking token such as ``</think>``: the thinking
+    stays free, the answer follows the format); None = from the first output token.
+    """
+
+    kind: StructuredOutputKind
+    spec: str = ""
+    start_after_token_id: int | None = None
+
+
 class SamplingParams(_Part):
     """How to pick each next token. The bounds of every field are in
     ``protocol/limits.py`` (``SAMPLING_RANGES``): the frontend's request schema is built
@@ -85,6 +111,7 @@ class SamplingParams(_Part):
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None = none; 0 = chosen token only; N = plus top-N
     logit_bias: dict[int, float] = {}  # token id → added to its logit before sampling
+    structured_output: StructuredOutputSpec | None = None  # None = free text
 
 
 class SchedulerStats(_Part):
