@@ -185,7 +185,8 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
             try:
                 check_auth(request)
                 body = await read_body(request, max_bytes)
-                check_body(body, max_depth)
+                # a worker thread for large bodies: the scan is numpy, the loop keeps serving
+                await ctx.off_loop(len(body), check_body, body, max_depth)
                 if not engine_client.is_alive:
                     raise EngineDeadError(engine_client.dead_reason or "not connected")
                 return await handler(ctx, body, request.is_disconnected)
