@@ -114,3 +114,18 @@ def test_realistic_moe_bf16_matches_transformers(shape, tmp_path):
             schedule = {"a": 1, "b": 1}
     print(f"{shape} bf16 vs transformers: max |dlogprob| {worst:.4f}, {same_pick}/34 same pick")
     assert same_pick >= 30
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_decode_graphs_with_moe_match_eager_steps(kind, tmp_path):
+    """Real graphs (captured at 1, 2, 4, 6: 2 to 12 pairs over 8 / 4 experts, so both the
+    GEMV and the grouped-GEMM path are captured) against eager steps, fp32."""
+    from .test_decode_graphs import assert_same_outputs, run_scenario
+
+    make_hf_model(kind, tmp_path)
+    platform = detect_platform(0)
+    _, eager = run_scenario(tmp_path, False, 64, platform)
+    runner, graphed = run_scenario(tmp_path, True, 64, platform)
+    graphs = runner.decode_graphs
+    assert graphs is not None and graphs.use_graphs and sorted(graphs._graphs) == [1, 2, 4, 6]
+    assert_same_outputs(eager, graphed, atol=1e-4)

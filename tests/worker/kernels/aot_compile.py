@@ -163,14 +163,14 @@ VARIANTS = [
         fused_moe._fused_moe_gemv_kernel,
         "bf16",
         dict(A_PAIRS_PER_ROW=8, GATED=True, ACTIVATION=1, MUL_WEIGHT=False)
-        | dict(BLOCK_N=64, BLOCK_K=64),
+        | dict(BLOCK_N=16, BLOCK_K=128),
     ),
     Variant(
         "fused_moe_gemv/bf16-down-weighted",
         fused_moe._fused_moe_gemv_kernel,
         "bf16",
         dict(A_PAIRS_PER_ROW=1, GATED=False, ACTIVATION=0, MUL_WEIGHT=True)
-        | dict(BLOCK_N=64, BLOCK_K=64),
+        | dict(BLOCK_N=64, BLOCK_K=128),
     ),
 ]
 

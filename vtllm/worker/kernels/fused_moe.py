@@ -33,6 +33,8 @@ accumulator by the scale in the epilogue (block scales: inside the K loop).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -196,6 +198,24 @@ def align_pairs_by_expert(
     return sorted_pair_ids, block_expert_ids, num_padded
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors (CUDA) / compute units (ROCm); 1 off a GPU."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _gemv_tiles(num_pairs: int, n: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): the widest N tile (64, 32, 16) that still gives every SM two
+    programs. At batch 1 (8 pairs) a 64-wide tile would start only 96 programs for a
+    768-wide expert and leave most of an H200's 132 SMs idle while weights stream in."""
+    for block_n in (64, 32):
+        if num_pairs * triton.cdiv(n, block_n) >= 2 * _num_sms(device):
+            return block_n, 128
+    return 16, 128
+
+
 def _gemm_tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by the mean number of pairs per expert."""
     if num_pairs <= 4 * num_experts:
@@ -222,7 +242,7 @@ def _launch(
     )
     strides = (a.stride(0), out.stride(0), w.stride(0), w.stride(1))
     if alignment is None:
-        block_n, block_k = 64, 64
+        block_n, block_k = _gemv_tiles(num_pairs, n, out.device)
         grid = (num_pairs, triton.cdiv(n, block_n))
         _fused_moe_gemv_kernel[grid](
             out, a, w, topk_weights, topk_ids, n, k, *strides,
