@@ -201,6 +201,13 @@ async def test_echoed_values_are_clipped(serve) -> None:
     messages = [{"role": "x" * (1 << 20), "content": "hi"}]
     r = await served.http.post(CHAT, json={"messages": messages})
     assert r.status_code == 400 and len(r.content) < 1000, len(r.content)
+    # a value echoed by a check deeper in (the OpenAIError backstop clips any message)
+    r = await served.http.post(COMPLETIONS, json={**GOOD_COMPLETION, "logit_bias": {huge: 1}})
+    assert r.status_code == 400 and len(r.content) < 2500, len(r.content)
+    tools = [{"type": "function", "function": {"name": f"{i}" + "t" * 1000}} for i in range(100)]
+    choice = {"type": "function", "function": {"name": huge}}
+    r = await served.http.post(CHAT, json={**GOOD_CHAT, "tools": tools, "tool_choice": choice})
+    assert r.status_code == 400 and len(r.content) < 1000, len(r.content)
 
 
 async def test_bearer_scheme_is_case_insensitive(serve) -> None:

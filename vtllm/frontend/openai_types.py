@@ -35,8 +35,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Client values echoed in errors (a model name, a bad enum value) are cut to this length.
+# Client values echoed in errors (a model name, a bad enum value) are cut to this length,
+# and a whole error message (whatever it quotes) to the second.
 MAX_ECHO_CHARS = 200
+MAX_ERROR_MESSAGE_CHARS = 2000
 # A body naming more top-level fields than its endpoint knows plus this many is refused.
 MAX_UNKNOWN_FIELDS = 64
 
@@ -46,6 +48,15 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 # The bounds of the sampling fields are the protocol's (protocol/limits.py), so the
 # engine core never refuses what this schema accepted.
 TopLogprobs = Annotated[int, sampling_meta("logprobs")]
+
+
+def clip(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """``str(value)`` cut to ``limit`` characters (saying how long it was): what an error
+    message or log line may echo of a client's value."""
+    text = str(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 class OpenAIError(Exception):
@@ -59,11 +70,12 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
     ) -> None:
+        message = clip(message, MAX_ERROR_MESSAGE_CHARS)  # the backstop for any echo
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.type = type
-        self.param = param
+        self.param = clip(param) if param is not None else None
         self.code = code
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,15 +119,6 @@ UNSUPPORTED_FIELDS = {
 }
 
 UNKNOWN_FIELDS = UnknownFieldLog()
-
-
-def clip(value: object, limit: int = MAX_ECHO_CHARS) -> str:
-    """``str(value)`` cut to ``limit`` characters (saying how long it was): what an error
-    message or log line may echo of a client's value."""
-    text = str(value)
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 def decode_body(body: bytes, type_: type[T]) -> T:

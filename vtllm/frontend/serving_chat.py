@@ -24,6 +24,7 @@ from vtllm.frontend.openai_types import (
     ChatCompletionRequest,
     ChatMessage,
     bad_request,
+    clip,
     decode_body,
 )
 from vtllm.frontend.sampling import (
@@ -77,7 +78,7 @@ def _check_supported(request: ChatCompletionRequest) -> None:
         # as OpenAI: only an assistant message that carries tool_calls may omit content
         if message.content is None and not (message.role == "assistant" and message.tool_calls):
             raise bad_request(
-                f"messages[{i}] (role {message.role!r}) has no content; give it a string "
+                f"messages[{i}] (role {clip(message.role)!r}) has no content; give it a string "
                 "or a list of text parts",
                 f"messages[{i}].content",
             )
@@ -86,7 +87,7 @@ def _check_supported(request: ChatCompletionRequest) -> None:
     # (docs/USAGE.md says so); json_schema would promise a shape we cannot guarantee.
     if fmt not in ("text", "json_object"):
         raise bad_request(
-            f"response_format type {fmt!r} is not supported (no constrained decoding yet); "
+            f"response_format type {clip(fmt)!r} is not supported (no constrained decoding yet); "
             "use 'text' or 'json_object' (accepted, not enforced)",
             "response_format",
         )
@@ -124,8 +125,8 @@ def plan_tools(ctx: ServingContext, request: ChatCompletionRequest) -> ToolPlan:
             )
         if name not in _tool_names(tools):
             raise bad_request(
-                f"tool_choice names the function {name!r}, which is not in tools "
-                f"({', '.join(_tool_names(tools)) or 'none given'})",
+                f"tool_choice names the function {clip(name)!r}, which is not in tools "
+                f"({clip(', '.join(_tool_names(tools))) or 'none given'})",
                 "tool_choice",
             )
     elif choice == "required":
@@ -136,7 +137,7 @@ def plan_tools(ctx: ServingContext, request: ChatCompletionRequest) -> ToolPlan:
         )
     elif choice not in ("auto", "none"):
         raise bad_request(
-            f"tool_choice must be 'auto', 'none' or a named function, got {choice!r}",
+            f"tool_choice must be 'auto', 'none' or a named function, got {clip(choice)!r}",
             "tool_choice",
         )
     if choice == "none":
