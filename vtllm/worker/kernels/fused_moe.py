@@ -200,10 +200,15 @@ def align_pairs_by_expert(
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors (CUDA) / compute units (ROCm); 1 off a GPU."""
+    """Streaming multiprocessors (CUDA) / compute units (ROCm), asked through Triton's
+    active driver (vendor-neutral); 1 off a GPU."""
     if device.type != "cuda":
         return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    from triton.runtime import driver as triton_driver
+
+    driver = triton_driver.active
+    index = device.index if device.index is not None else driver.get_current_device()
+    return int(driver.utils.get_device_properties(index)["multiprocessor_count"])
 
 
 def _gemv_tiles(num_pairs: int, n: int, device: torch.device) -> tuple[int, int]:
