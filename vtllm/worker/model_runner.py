@@ -23,6 +23,7 @@ from vtllm.protocol.messages import ModelRunnerOutput, SamplingParams, Scheduler
 from vtllm.worker.attention import build_attention_metadata
 from vtllm.worker.decode_graphs import DecodeGraphs, capture_sizes
 from vtllm.worker.distributed import TPGroup
+from vtllm.worker.grammar import GrammarCompilerService, StructuredOutputs
 from vtllm.worker.input_batch import RequestStates, StepBatch
 from vtllm.worker.loader.hf_config import eos_token_ids as read_eos_token_ids
 from vtllm.worker.loader.hf_config import load_hf_config
@@ -47,10 +48,12 @@ class ModelRunner:
         seed: int,
         is_driver: bool = True,
         eos_token_ids: Sequence[int] = (),
+        tokenizer_dir: str | Path | None = None,
     ) -> None:
         """``is_driver`` (rank 0) samples and builds outputs; other ranks only compute.
         ``eos_token_ids`` (the model's) are held back while a request is under
-        ``min_tokens``."""
+        ``min_tokens``. ``tokenizer_dir`` (its ``tokenizer.json``) gives structured
+        outputs their vocabulary; None = requests with a grammar fail."""
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -64,6 +67,8 @@ class ModelRunner:
         self.block_size = 0
         self.attention_backend = attention_backend(device)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
+        self.tokenizer_dir = tokenizer_dir
+        self.structured: StructuredOutputs | None = None  # on the driver, at first use
 
     @classmethod
     def from_model_dir(
@@ -85,7 +90,8 @@ class ModelRunner:
         else:
             load_safetensors(model, model_dir)
         eos_ids = read_eos_token_ids(model_dir, hf_config)
-        return cls(model, device, dtype, hf_config["vocab_size"], seed, tp.rank == 0, eos_ids)
+        vocab_size = hf_config["vocab_size"]
+        return cls(model, device, dtype, vocab_size, seed, tp.rank == 0, eos_ids, model_dir)
 
     # -- KV cache -------------------------------------------------------------------
 
@@ -157,11 +163,12 @@ class ModelRunner:
         for request_id in errors:
             self.states.drop(request_id)
         self.token_history.retain(self.states)
+        self._track_grammars(step)
         sampled: dict[str, Any] = {}
         if batch.num_tokens:
             logits = self._forward_logits(batch)  # [num_sampling, vocab]
             if self.is_driver and batch.sample_rows:
-                sampled = self._sample(batch, logits)
+                sampled = self._sample(batch, logits, errors)
         if not self.is_driver:
             return None
         return _make_output(step.step_id, batch, sampled, errors)
@@ -187,12 +194,41 @@ class ModelRunner:
         logits_indices = torch.from_numpy(batch.logits_indices).to(self.device)
         return self.model.compute_logits(hidden.index_select(0, logits_indices))
 
-    def _sample(self, batch: StepBatch, logits: torch.Tensor) -> dict[str, Any]:
+    def _track_grammars(self, step: SchedulerOutput) -> None:
+        """Start compiling the grammars of new (or resumed) requests; forget the rest."""
+        if not self.is_driver:
+            return
+        for new in step.new_requests:
+            spec = new.sampling_params.structured_output
+            if spec is not None and new.request_id in self.states:
+                if self.structured is None:
+                    compilers = GrammarCompilerService(
+                        self.tokenizer_dir or "", self.vocab_size, self.eos_token_ids
+                    )
+                    self.structured = StructuredOutputs(compilers)
+                self.structured.add(new.request_id, spec)
+        if self.structured is not None:
+            self.structured.retain(self.states)
+
+    def _sample(
+        self, batch: StepBatch, logits: torch.Tensor, errors: dict[str, str]
+    ) -> dict[str, Any]:
+        """Sample every row; a row whose grammar fails gets its error in ``errors``."""
         states = [self.states.get(batch.request_ids[row]) for row in batch.sample_rows]
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
         sampling_batch = SamplingBatch.from_requests(
             states, generators, self.vocab_size, self.device, self.eos_token_ids, self.token_history
         )
+        if self.structured is not None and len(self.structured):
+            rows = [(s.request_id, s.token_ids, s.num_prompt_tokens) for s in states]
+            grammar, grammar_errors = self.structured.bitmask(rows)
+            if grammar is not None:
+                index = torch.tensor(grammar.rows, dtype=torch.int64).to(self.device)
+                bitmask = grammar.bitmask.to(self.device, non_blocking=True)
+                sampling_batch.grammar_mask = (index, bitmask)
+            for request_id in grammar_errors:
+                self.states.drop(request_id)
+            errors.update(grammar_errors)
         out = self.sampler(logits, sampling_batch)
         result: dict[str, Any] = {"ids": out.sampled.tolist()}
         if out.logprobs is not None:

@@ -82,6 +82,9 @@ class SamplingBatch:
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     min_tokens_mask: torch.Tensor | None = None  # [n] int64 flat index, set to -inf
     penalties: Penalties | None = None
+    # structured outputs: ([num_masked] int64 rows, [num_masked, ceil(vocab / 32)] int32
+    # packed bitmask, bit t % 32 of word t // 32 set = token t allowed); None = no grammar
+    grammar_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_params(
@@ -404,7 +407,12 @@ class Sampler:
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """``logits`` ``[num_rows, vocab]`` float32 after bias, min_tokens and penalties: a
     new tensor, or ``logits`` itself when the batch uses none of them."""
-    if batch.logit_bias is None and batch.min_tokens_mask is None and batch.penalties is None:
+    if (
+        batch.logit_bias is None
+        and batch.min_tokens_mask is None
+        and batch.penalties is None
+        and batch.grammar_mask is None
+    ):
         return logits
     logits = logits.clone(memory_format=torch.contiguous_format)
     flat = logits.view(-1)  # the sparse entries' flat indices address this
@@ -414,7 +422,22 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         flat.index_fill_(0, batch.min_tokens_mask, float("-inf"))
     if batch.penalties is not None:
         apply_penalties(logits, batch.penalties)
+    if batch.grammar_mask is not None:  # last: no bias or penalty can lift a masked token
+        apply_token_bitmask(logits, *batch.grammar_mask)
     return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, every token of ``logits`` ``[num_rows, vocab]`` in ``rows``
+    ``[num_masked]`` whose bit in ``bitmask`` ``[num_masked, ceil(vocab / 32)]`` int32 is 0
+    (xgrammar's packing: token t is bit t % 32 of word t // 32). Runs on the logits'
+    device: a shift, an and and a masked fill over ``[num_masked, vocab]``."""
+    vocab_size = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [num_masked, words, 32]
+    allowed = bits.flatten(1)[:, :vocab_size].bool()  # [num_masked, vocab]
+    selected = logits.index_select(0, rows)  # [num_masked, vocab]
+    logits.index_copy_(0, rows, selected.masked_fill_(~allowed, float("-inf")))
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:
