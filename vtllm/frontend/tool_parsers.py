@@ -18,11 +18,24 @@ Hermes format (Qwen, Hermes, SmolLM2 and most ChatML tool-use templates)::
 * A call is only emitted once its closing tag arrives (or the output ends), so that an
   invalid one can still turn into content: a streamed call comes as its name, then its
   arguments, never half of either.
+
+Llama 3 JSON (``llama3_json``): the output *starts* with ``{"name": ..., "parameters": {...}}``
+(``<|python_tag|>`` in front is allowed; several calls are separated by ``;``). Output that
+starts with anything else is content.
+
+Mistral (``mistral``): ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}``
+objects, or (tokenizer v11+) ``[TOOL_CALLS]name[ARGS]{...}`` per call. ``[TOOL_CALLS]`` is a
+special token that the detokenizer drops, so an output that *starts* with ``[{`` is read the
+same way. Text in front of the first call is content.
+
+Forced calls (``tool_choice`` "required" or a named function, tool_choice.py): the output
+is JSON that a grammar forced into shape, parsed once it is complete.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -58,12 +71,25 @@ def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _tool_call_from_json(body: str) -> ToolCall | None:
-    """The call a tag's body describes, or None if it is not a valid Hermes call."""
+def _tool_calls_from_json(body: str) -> list[ToolCall] | None:
+    """The calls a tag's body describes: one object, or a list of them (SmolLM2's own
+    format). None if the body is not valid JSON or any item is not a call."""
     try:
         obj = json.loads(body)
     except ValueError:
         return None
+    if obj == []:
+        return []  # "no calls" (SmolLM2's format)
+    items = obj if isinstance(obj, list) else [obj]
+    calls = [tool_call_from_obj(item) for item in items]
+    return None if None in calls else calls  # type: ignore[return-value]
+
+
+def tool_call_from_obj(obj: object, name: str | None = None) -> ToolCall | None:
+    """``{"name": str, "arguments" | "parameters": object or JSON string}`` as a ToolCall
+    (or, given ``name``, ``obj`` is the arguments object itself); None if it is not one."""
+    if name is not None:
+        return ToolCall(new_tool_call_id(), name, json.dumps(obj, ensure_ascii=False))
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
@@ -151,26 +177,251 @@ class HermesToolParser:
         return stripped
 
     def _close_tag(self, body: str, closed: bool) -> ParsedText:
-        call = _tool_call_from_json(body.strip())
+        calls = _tool_calls_from_json(body.strip())
         ws, self._ws_before_tag = self._ws_before_tag, ""
-        if call is None:
+        if calls is None:
             raw = ws + self.START + body + (self.END if closed else "")
             self._after_call = False
             return ParsedText(content=raw)
         self._after_call = True
-        self.num_calls += 1
-        if self._max_calls is not None and self.num_calls > self._max_calls:
-            return ParsedText()
-        return ParsedText(tool_calls=[call])
+        kept = _keep(calls, self.num_calls, self._max_calls)
+        self.num_calls += len(calls)
+        return ParsedText(tool_calls=kept)
 
 
-TOOL_PARSERS = {"hermes": HermesToolParser}
+def _keep(calls: list[ToolCall], num_before: int, max_calls: int | None) -> list[ToolCall]:
+    """The calls within ``max_calls`` when ``num_before`` were made already."""
+    if max_calls is None:
+        return calls
+    return calls[: max(0, max_calls - num_before)]
 
 
-def make_tool_parser(name: str, max_calls: int | None = None) -> HermesToolParser:
+class _LeadingJsonToolParser:
+    """Calls written as JSON where the output starts, or after a marker: the common core
+    of the Llama 3 JSON and Mistral formats.
+
+    Until the output shows whether it starts with a call, the text is held back. A call is
+    emitted as soon as its JSON value is complete, so a stream gets each call before the
+    output ends. Text that turns out not to be a call is content, as written. Subclasses
+    say what starts calls (``MARKERS`` anywhere, ``LEADING`` characters at the very start)
+    and may read a call differently (``_calls_at``)."""
+
+    MARKERS: tuple[str, ...] = ()
+    LEADING = ""  # characters that start a call at the very beginning of the output
+    SEPARATORS = ""  # characters allowed between two calls (besides whitespace)
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self._max_calls = max_calls
+        self._buffer = ""
+        self._state = "start"  # start -> content | calls; calls -> content on junk
+        self._ws_before = ""  # whitespace cut from the content in front of a marker
+        self._decoder = json.JSONDecoder()
+        self.num_calls = 0
+
+    def push(self, text: str) -> ParsedText:
+        self._buffer += text
+        return self._advance(final=False)
+
+    def finish(self) -> ParsedText:
+        out = self._advance(final=True)
+        rest, self._buffer = self._buffer, ""
+        if self._state == "calls" and self._skip_len(rest) == len(rest):
+            rest = ""  # whitespace, separators or a lone marker after the calls
+        out.content += rest  # an unfinished or invalid call: nothing is lost
+        return out
+
+    def _advance(self, final: bool) -> ParsedText:
+        out = ParsedText()
+        while True:
+            if self._state == "start":
+                stripped = self._buffer.lstrip()
+                if not stripped:
+                    return out
+                if not final and any(m.startswith(stripped) for m in self.MARKERS):
+                    return out  # may still become a marker
+                starts_call = stripped[0] in self.LEADING or any(
+                    stripped.startswith(m) for m in self.MARKERS
+                )
+                self._state = "calls" if starts_call else "content"
+            if self._state == "content":
+                out.content += self._emit_content(final)
+                if self._state == "content":
+                    return out
+            parsed = self._read_calls(final)
+            if parsed is None:
+                return out
+            out += parsed
+
+    def _emit_content(self, final: bool) -> str:
+        """Content up to the next marker (which switches to ``calls``); a tail that may be
+        the start of a marker, and trailing whitespace, wait."""
+        hits = [self._buffer.find(m) for m in self.MARKERS if m in self._buffer]
+        if hits:
+            idx = min(hits)
+            text, self._buffer = self._buffer[:idx], self._buffer[idx:]
+            self._state = "calls"
+            content = text.rstrip()
+            self._ws_before = text[len(content) :]  # back in front if no call follows
+            return content
+        if final:
+            text, self._buffer = self._buffer, ""
+            return text
+        keep = max((_partial_prefix_len(self._buffer, m) for m in self.MARKERS), default=0)
+        # trailing whitespace waits too: it is dropped if a call follows
+        text = self._buffer[: len(self._buffer) - keep].rstrip()
+        self._buffer = self._buffer[len(text) :]
+        return text
+
+    def _skip_len(self, text: str) -> int:
+        """Length of the whitespace, separators and markers at the start of ``text``."""
+        idx = 0
+        while True:
+            stripped = text[idx:].lstrip(" \t\r\n" + self.SEPARATORS)
+            idx = len(text) - len(stripped)
+            marker = next((m for m in self.MARKERS if stripped.startswith(m)), None)
+            if marker is None:
+                return idx
+            idx += len(marker)
+
+    def _read_calls(self, final: bool) -> ParsedText | None:
+        """The calls of one JSON value from the buffer, or None when more text is needed."""
+        skipped = self._skip_len(self._buffer)
+        body = self._buffer[skipped:]
+        if not body:
+            return None
+        calls, used = self._calls_at(body)
+        if calls is None:
+            if used < 0 and not final:
+                return None  # incomplete JSON: wait
+            # not a call: the rest of the output is content, as written
+            self._state = "content"
+            rest, self._buffer = self._ws_before + self._buffer, ""
+            self._ws_before = ""
+            return ParsedText(content=rest)
+        self._buffer = body[used:]
+        self._ws_before = ""
+        kept = _keep(calls, self.num_calls, self._max_calls)
+        self.num_calls += len(calls)
+        return ParsedText(tool_calls=kept)
+
+    def _calls_at(self, body: str) -> tuple[list[ToolCall] | None, int]:
+        """The calls of the JSON value at the start of ``body`` and its length; (None, -1)
+        when the value may be incomplete, (None, 0) when it is not a call."""
+        try:
+            obj, end = self._decoder.raw_decode(body)
+        except json.JSONDecodeError:
+            return None, (-1 if _is_prefix_json(body) else 0)
+        if obj == []:
+            return [], end  # "no calls" (SmolLM2's format)
+        items = obj if isinstance(obj, list) else [obj]
+        calls = [tool_call_from_obj(item) for item in items]
+        return (None, 0) if None in calls else (calls, end)  # type: ignore[return-value]
+
+
+def _is_prefix_json(text: str) -> bool:
+    """Whether ``text`` may be the start of a longer JSON value: its brackets are still
+    open (strings taken into account)."""
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+            if depth < 0:
+                return False
+    return depth > 0 or in_string
+
+
+class Llama3JsonToolParser(_LeadingJsonToolParser):
+    """``{"name": ..., "parameters": {...}}`` (``; `` between calls) at the start."""
+
+    MARKERS = ("<|python_tag|>",)
+    LEADING = "{"
+    SEPARATORS = ";"
+
+
+class MistralToolParser(_LeadingJsonToolParser):
+    """``[TOOL_CALLS][{...}, ...]`` or ``[TOOL_CALLS]name[ARGS]{...}``."""
+
+    MARKERS = ("[TOOL_CALLS]",)
+    LEADING = "["
+    ARGS = "[ARGS]"
+
+    def _calls_at(self, body: str) -> tuple[list[ToolCall] | None, int]:
+        if body[0] in "[{":
+            return super()._calls_at(body)
+        # v11: name[ARGS]{...}
+        args_idx = body.find(self.ARGS)
+        if args_idx < 0:
+            # a function name so far, maybe followed by the start of [ARGS]
+            name_so_far = body[: len(body) - _partial_prefix_len(body, self.ARGS)]
+            plausible = re.fullmatch(r"[A-Za-z0-9_.\-]*", name_so_far) and len(body) < 256
+            return None, (-1 if plausible else 0)
+        name = body[:args_idx].strip()
+        json_start = args_idx + len(self.ARGS)
+        try:
+            obj, end = self._decoder.raw_decode(body[json_start:])
+        except json.JSONDecodeError:
+            return None, (
+                -1 if _is_prefix_json(body[json_start:]) or not body[json_start:].strip() else 0
+            )
+        call = tool_call_from_obj(obj, name) if name and isinstance(obj, dict) else None
+        return (None, 0) if call is None else ([call], json_start + end)
+
+
+class ForcedCallsParser:
+    """The output of a forced ``tool_choice``: with ``name``, the arguments object of that
+    function; without, a JSON array of ``{"name", "parameters"}``. The grammar guarantees
+    the shape, so the calls come out when the output ends; an output cut short (max_tokens)
+    is content."""
+
+    def __init__(self, name: str | None = None, max_calls: int | None = None) -> None:
+        self._name = name
+        self._max_calls = max_calls
+        self._buffer = ""
+
+    def push(self, text: str) -> ParsedText:
+        self._buffer += text
+        return ParsedText()
+
+    def finish(self) -> ParsedText:
+        text, self._buffer = self._buffer, ""
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return ParsedText(content=text)
+        if self._name is not None:
+            calls = [tool_call_from_obj(obj, self._name)] if isinstance(obj, dict) else [None]
+        else:
+            calls = [tool_call_from_obj(item) for item in obj] if isinstance(obj, list) else [None]
+        if not calls or None in calls:
+            return ParsedText(content=text)
+        return ParsedText(tool_calls=_keep(calls, 0, self._max_calls))  # type: ignore[arg-type]
+
+
+ToolParser = HermesToolParser | Llama3JsonToolParser | MistralToolParser | ForcedCallsParser
+
+TOOL_PARSERS: dict[str, type] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+}
+
+
+def make_tool_parser(name: str, max_calls: int | None = None) -> ToolParser:
     try:
-        return TOOL_PARSERS[name](max_calls)
+        parser_class = TOOL_PARSERS[name]
     except KeyError:
         raise ValueError(
             f"unknown tool call parser {name!r}; choose one of {sorted(TOOL_PARSERS)}"
         ) from None
+    return parser_class(max_calls)
