@@ -1,7 +1,8 @@
 """The fused-MoE kernel alone, at a Qwen3-30B-A3B MoE layer (hidden 2048, 128 experts,
 top-8, expert width 768, bf16), against its plain-torch reference.
 
-For each token count: the path taken, kernel and reference times (CUDA events, median of
+For each token count: both kernel paths' times (GEMV and grouped GEMM, to place the
+``auto`` crossover), the path ``auto`` takes, its and the reference's times (CUDA events, median of
 ``--iters``), the bytes of the experts the step touches (each distinct expert's gate, up
 and down once, plus activations) and the achieved fraction of ``--peak-gbps`` (H200:
 4800 GB/s). Prints one JSON line per row.
@@ -60,10 +61,13 @@ def main() -> None:
         x = torch.randn(num_tokens, hidden, device=device, generator=generator).bfloat16()
         weights, ids = select_experts(x @ router.t(), RouterSpec(args.top_k))
         problem = (x, w13, w2, weights, ids)
-        path = "gemv" if num_tokens * args.top_k <= experts else "gemm"
+        auto = "gemv" if num_tokens * args.top_k <= experts else "gemm"
         for _ in range(3):
-            fused_moe(*problem)
-        kernel_ms = _time_ms(fused_moe, args.iters, *problem)
+            fused_moe(*problem, "silu", "gemv")
+            fused_moe(*problem, "silu", "gemm")
+        gemv_ms = _time_ms(fused_moe, args.iters, *problem, "silu", "gemv")
+        gemm_ms = _time_ms(fused_moe, args.iters, *problem, "silu", "gemm")
+        kernel_ms = gemv_ms if auto == "gemv" else gemm_ms
         ref_ms = _time_ms(fused_moe_ref, max(3, args.iters // 10), *problem)
         touched = int(torch.unique(ids).numel())
         nbytes = touched * expert_bytes + 2 * x.numel() * 2
@@ -71,7 +75,8 @@ def main() -> None:
         actual, expected = fused_moe(*problem).float(), fused_moe_ref(*problem).float()
         error = (actual - expected).abs().max()
         print(json.dumps({
-            "tokens": num_tokens, "path": path, "experts_touched": touched,
+            "tokens": num_tokens, "auto_path": auto, "experts_touched": touched,
+            "gemv_ms": round(gemv_ms, 4), "gemm_ms": round(gemm_ms, 4),
             "kernel_ms": round(kernel_ms, 4), "reference_ms": round(ref_ms, 3),
             "speedup_vs_reference": round(ref_ms / kernel_ms, 1),
             "expert_bytes_mb": round(nbytes / 1e6, 1), "gbps": round(gbps, 1),

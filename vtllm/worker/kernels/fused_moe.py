@@ -20,7 +20,8 @@ Two paths, chosen by how many pairs each expert gets on average:
   The grid is sized for the worst case, ``cdiv(P, BLOCK_M) + min(E, P)`` blocks, and blocks
   past ``num_padded`` return at once: no host sync, CUDA-graph safe.
 * **per-pair GEMV** (decode, ``P <= E``: most experts see at most one pair): one program per
-  (pair, N tile) reads its expert's rows once, with no sort and no padded rows.
+  (pair, N tile) reads its expert's rows, with no sort and no padded rows (pairs that
+  share an expert read it again, mostly from L2).
 
 Weight layout is the HF one: ``w13 [E, 2*I, H]`` (gate rows, then up rows) and
 ``w2 [E, H, I]``. The intermediate is stored in x's dtype (rounded once after the fp32
