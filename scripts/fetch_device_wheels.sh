@@ -10,5 +10,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
   -d .whl \
-  pyzmq msgspec setproctitle starlette uvicorn gguf pytest-asyncio
+  pyzmq msgspec setproctitle starlette uvicorn gguf pytest-asyncio \
+  xgrammar==0.2.9 apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
 ls .whl
