@@ -290,3 +290,11 @@ async def test_deadlines_spare_a_long_response_and_a_kept_alive_connection(serve
     first, second = await asyncio.to_thread(two_requests)
     assert first.status == 200 and first.body.endswith(b"data: [DONE]\n\n"), first.body[-200:]
     assert second.status == 200
+
+
+async def test_oversized_headers_are_refused(serve) -> None:
+    served = await serve()
+    head = b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (100 * 1024) + b"\r\n\r\n"
+    pieces = [head[i : i + 8192] for i in range(0, len(head), 8192)]  # as a network splits it
+    raw, after_s = await asyncio.to_thread(dribble, _port(served), pieces, 0.02, 5.0)
+    assert parse_raw_reply(raw).status == 400 and after_s < 2.0, raw[:200]
