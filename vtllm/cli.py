@@ -12,6 +12,52 @@ from typing import Any
 
 from vtllm import __version__, envs
 from vtllm.config import VtllmConfig, config_sections, parse_size
+from vtllm.startup import StartupError, bind_http_socket
+from vtllm.vllm_compat import VLLM_ALIASES, closest_flag, unsupported_message
+
+# exit code of every start-up mistake (bad flag, bad path, unknown model): argparse's
+EXIT_USAGE = 2
+
+# frontend fields the engine core reads too (every other frontend field is HTTP-only)
+_ENGINE_FRONTEND_FIELDS = {"default_max_tokens"}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block: ``--help`` has it) that name the
+    closest flag for an unknown one, or why vtllm refuses a vLLM flag."""
+
+    def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unknown_flags_message(self, extras))
+        return parsed
+
+
+def _all_flags(parser: argparse.ArgumentParser) -> list[str]:
+    flags: list[str] = []
+    for action in parser._actions:  # argparse keeps no public list
+        flags.extend(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags.extend(_all_flags(sub))
+    return flags
+
+
+def unknown_flags_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """One line for the first unknown argument: a vLLM flag vtllm refuses (and why),
+    an unknown flag and its nearest vtllm spelling, or a stray value."""
+    first = extras[0]
+    if not first.startswith("-"):
+        return f"unexpected argument {first!r} (one MODEL at most; flags start with --)"
+    refused = unsupported_message(first)
+    if refused:
+        return refused
+    near = closest_flag(first, sorted(set(_all_flags(parser))))
+    hint = f"; did you mean {near}?" if near else " (vtllm serve --help lists every flag)"
+    return f"unknown flag {first.split('=', 1)[0]}{hint}"
 
 
 def _flag(name: str) -> str:
@@ -36,7 +82,40 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+def _choice_type(choices: tuple[str, ...], aliases: dict[str, str], base: type):
+    """A converter accepting ``choices`` and their ``aliases`` (``half`` → float16)."""
+
+    def convert(text: str):
+        value = aliases.get(text, text)
+        if value not in choices:
+            shown = ", ".join([*choices, *aliases])
+            raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {shown})")
+        return base(value)
+
+    return convert
+
+
+class _RefuseHttpOnly(argparse.Action):
+    """An HTTP-only flag given to a command without HTTP (engine-core, bench)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(
+            f"{option_string} is an HTTP flag; `{parser.prog}` serves no HTTP (give it to "
+            "`vtllm serve`)"
+        )
+
+
+def is_http_only(section_name: str, f: dataclasses.Field) -> bool:
+    """Flags only the HTTP frontend reads: the frontend section (less the fields the
+    engine core reads too) and model fields marked ``http_only``."""
+    if section_name == "frontend":
+        return f.name not in _ENGINE_FRONTEND_FIELDS
+    return bool(f.metadata.get("http_only"))
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, http: bool = True) -> None:
+    """One flag per config field (and its vLLM aliases). ``http=False`` (engine-core,
+    bench): the HTTP-only flags are refused with a one-line error."""
     parser.add_argument(
         "--log-format",
         choices=("text", "json"),
@@ -52,28 +131,54 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             help_text = f.metadata.get("help", "")
             dest = f"{section_name}.{f.name}"
             base = _base_type(f.type)
+            flag = _flag(f.name)
+            if not http and is_http_only(section_name, f):
+                names = [flag, *VLLM_ALIASES.get(flag, ())]
+                if base is bool:
+                    names += ["--no-" + flag[2:], *VLLM_ALIASES.get("--no-" + flag[2:], ())]
+                group.add_argument(*names, nargs=0, action=_RefuseHttpOnly, help=argparse.SUPPRESS)
+                continue
             if base is bool:
                 group.add_argument(
-                    _flag(f.name),
+                    flag,
                     dest=dest,
                     action=argparse.BooleanOptionalAction,
                     default=default,
                     help=f"{help_text} (default: {default})",
                 )
+                negative = "--no-" + flag[2:]
+                for alias in VLLM_ALIASES.get(negative, ()):
+                    group.add_argument(
+                        alias, dest=dest, action="store_false", help=f"same as {negative}"
+                    )
                 continue
             kind = f.metadata.get("kind")
             shown = default
             if kind == "size" and isinstance(default, int):
                 shown = _human_size(default)
+            choices = f.metadata.get("choices")
+            aliases = f.metadata.get("aliases", {})
+            convert: Any = _size if kind == "size" else base
+            if choices and aliases:
+                convert, choices = _choice_type(choices, aliases, base), None
             group.add_argument(
-                _flag(f.name),
+                flag,
+                *VLLM_ALIASES.get(flag, ()),
                 dest=dest,
-                type=_size if kind == "size" else base,
+                type=convert,
                 default=default,
-                choices=f.metadata.get("choices"),
-                metavar=f.name.upper() if "choices" not in f.metadata else None,
+                choices=choices,
+                metavar=_metavar(f),
                 help=f"{help_text} (default: {shown})",
             )
+
+
+def _metavar(f: dataclasses.Field) -> str | None:
+    """NAME for free values, ``{a,b,c}`` for choices (aliases included), as argparse shows."""
+    choices = f.metadata.get("choices")
+    if not choices:
+        return f.name.upper()
+    return "{" + ",".join([*choices, *f.metadata.get("aliases", {})]) + "}"
 
 
 def _human_size(num_bytes: int) -> str:
@@ -94,7 +199,7 @@ def config_from_args(args: argparse.Namespace) -> VtllmConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vtllm", description="vtllm LLM serving engine")
+    parser = Parser(prog="vtllm", description="vtllm LLM serving engine")
     parser.add_argument("--version", action="version", version=f"vtllm {__version__}")
 
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,8 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Start the frontend, the engine core and one worker per "
-        "tensor-parallel rank. Without --model: the embedded SmolLM2-135M-Instruct.",
+        "tensor-parallel rank. MODEL (or --model): a Hugging Face repo id, a model "
+        "directory or a .gguf file; none: the embedded SmolLM2-135M-Instruct.",
     )
+    _add_model_positional(serve)
     add_config_arguments(serve)
 
     headless = sub.add_parser(
@@ -112,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the engine core and its workers headless. Frontends connect with "
         "`vtllm serve --engine-address ADDRESS` or vtllm.protocol.client (docs/PROTOCOL.md).",
     )
-    add_config_arguments(headless)
+    _add_model_positional(headless)
+    add_config_arguments(headless, http=False)
 
     keygen = sub.add_parser(
         "keygen",
@@ -149,13 +257,27 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         kind_parser = bench_sub.add_parser(kind, help=text, description=text)
         add_bench_arguments(kind_parser)
-        add_config_arguments(kind_parser)
+        add_config_arguments(kind_parser, http=False)
     return parser
+
+
+def _add_model_positional(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model to serve: same as --model (vLLM's `vllm serve MODEL`)",
+    )
 
 
 def _validated_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> VtllmConfig:
     """The config the flags describe; a value no engine can run with is a usage error."""
     config = config_from_args(args)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if config.model.model is not None and config.model.model != tag:
+            parser.error(f"MODEL {tag!r} and --model {config.model.model!r} differ; give one")
+        config.model.model = tag
     try:
         config.validate()
     except ValueError as e:
@@ -163,25 +285,43 @@ def _validated_config(parser: argparse.ArgumentParser, args: argparse.Namespace)
     return config
 
 
+def _subparser(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The parser of the command given (for its prog in error lines)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices[args.command]
+            kind = getattr(args, "bench_kind", None)
+            return _subparser(sub, argparse.Namespace(command=kind)) if kind else sub
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "log_format", None):
         envs.export("VT_LOG_FORMAT", args.log_format)  # inherited by every child process
-    if args.command == "serve":
-        from vtllm.launch import serve
+    command = _subparser(parser, args) if args.command in ("serve", "engine-core") else parser
+    try:
+        if args.command == "serve":
+            config = _validated_config(command, args)
+            # bound before the heavy imports: a taken port is reported within a second
+            sock = bind_http_socket(config.frontend.host, config.frontend.port)
+            from vtllm.launch import serve
 
-        return serve(_validated_config(parser, args))
-    if args.command == "engine-core":
-        from vtllm.launch import engine_core
+            return serve(config, sock)
+        if args.command == "engine-core":
+            from vtllm.launch import engine_core
 
-        return engine_core(_validated_config(parser, args))
-    if args.command == "keygen":
-        return _keygen(parser, args)
-    if args.command == "bench":
-        from vtllm.bench import run_bench
+            return engine_core(_validated_config(command, args))
+        if args.command == "keygen":
+            return _keygen(parser, args)
+        if args.command == "bench":
+            from vtllm.bench import run_bench
 
-        return run_bench(args.bench_kind, args, _validated_config(parser, args))
+            return run_bench(args.bench_kind, args, _validated_config(parser, args))
+    except StartupError as e:
+        print(f"vtllm {args.command}: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     parser.error(f"unknown command {args.command}")
     return 2
 

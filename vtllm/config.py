@@ -73,8 +73,40 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 class ModelConfig:
     model: str | None = _opt(
         None,
-        "Path to a Hugging Face-style model directory (config.json, *.safetensors, "
-        "tokenizer.json) or a .gguf file. Unset: the embedded SmolLM2-135M-Instruct.",
+        "A Hugging Face repo id (org/name: downloaded, or taken from the HF cache when "
+        "offline), a Hugging Face-style model directory (config.json, *.safetensors, "
+        "tokenizer.json) or a .gguf file; also the positional MODEL of serve. Unset: the "
+        "embedded SmolLM2-135M-Instruct.",
+    )
+    revision: str | None = _opt(
+        None, "Branch, tag or commit of a Hugging Face --model (default: main)."
+    )
+    download_dir: str | None = _opt(
+        None,
+        "Hugging Face cache directory to download into and look in (default: the HF "
+        "cache, HF_HOME / HF_HUB_CACHE).",
+    )
+    tokenizer: str | None = _opt(
+        None,
+        "Tokenizer directory or Hugging Face repo id, when not the model's own "
+        "(tokenizer.json, tokenizer_config.json).",
+        http_only=True,
+    )
+    tokenizer_revision: str | None = _opt(
+        None, "Branch, tag or commit of a Hugging Face --tokenizer.", http_only=True
+    )
+    trust_remote_code: bool = _opt(
+        False,
+        "Accepted for vLLM command lines and ignored: vtllm never runs code from a "
+        "checkpoint (its architectures are built in).",
+    )
+    generation_config: str = _opt(
+        "auto",
+        "Sampling defaults for requests that leave them unset: auto (the model's "
+        "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens), vllm (none: vtllm's own defaults), or a directory holding a "
+        "generation_config.json.",
+        http_only=True,
     )
     served_model_name: str | None = _opt(
         None, "Model name clients use in requests (default: derived from --model)."
@@ -82,8 +114,9 @@ class ModelConfig:
     dtype: str = _opt(
         "auto",
         "Weight and activation dtype: auto (bfloat16 on GPU, float32 on CPU), "
-        "float32, float16, bfloat16.",
+        "float32 (or float), float16 (or half), bfloat16.",
         choices=("auto", "float32", "float16", "bfloat16"),
+        aliases={"half": "float16", "float": "float32"},
     )
     max_model_len: int | None = _opt(
         None,
@@ -199,8 +232,28 @@ class FrontendConfig:
     tool_call_parser: str | None = _opt(
         None,
         "Parse tool calls in chat output into OpenAI tool_calls: hermes "
-        "(<tool_call>{...}</tool_call>). Unset: chat requests with tools are refused.",
-        choices=("hermes",),
+        "(<tool_call>{...}</tool_call>: Qwen, Hermes, SmolLM2), llama3_json "
+        '({"name": ..., "parameters": ...}) or mistral ([TOOL_CALLS]). Unset: the format '
+        "the chat template teaches, when it is one of these; otherwise chat requests with "
+        "tools are refused unless tool_choice is none.",
+        choices=("hermes", "llama3_json", "mistral"),
+    )
+    enable_auto_tool_choice: bool = _opt(
+        False,
+        "Accepted for vLLM command lines; vtllm parses tool calls (tool_choice auto) "
+        "whenever a --tool-call-parser is set or detected.",
+    )
+    chat_template: str | None = _opt(
+        None,
+        "Chat template to use instead of the model's: a Jinja file, or the template "
+        "text itself.",
+    )
+    reasoning_parser: str | None = _opt(
+        None,
+        "Split a reasoning model's <think>...</think> out of the chat answer into "
+        "reasoning_content: qwen3 (thinking only when the output or the prompt's end "
+        "opens it) or deepseek_r1 (the output starts thinking).",
+        choices=("qwen3", "deepseek_r1"),
     )
     max_json_depth: int = _opt(
         64,
@@ -224,6 +277,42 @@ class FrontendConfig:
     )
     http_keep_alive_timeout: float = _opt(
         5.0, "Seconds an idle kept-alive HTTP connection stays open between requests."
+    )
+    uvicorn_log_level: str | None = _opt(
+        None,
+        "Log level of the HTTP server's own lines (uvicorn). Unset: VT_LOG_LEVEL.",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+    )
+    enable_log_requests: bool = _opt(
+        True,
+        "One access-log line per HTTP request (method, path, status); probes of /health, "
+        "/ping and /metrics are never logged. --disable-log-requests (vLLM) is "
+        "--no-enable-log-requests.",
+    )
+    disable_log_stats: bool = _opt(
+        False, "No periodic throughput / KV usage line in the log (metrics stay)."
+    )
+    max_logprobs: int = _opt(
+        20, "Most logprobs / top_logprobs a request may ask for (at most 20); more is a 400."
+    )
+    allowed_origins: str | None = _opt(
+        None,
+        "CORS: JSON list of allowed origins (e.g. '[\"*\"]'). Unset: no CORS headers.",
+    )
+    allowed_methods: str = _opt('["*"]', "CORS: JSON list of allowed methods.")
+    allowed_headers: str = _opt('["*"]', "CORS: JSON list of allowed request headers.")
+    allow_credentials: bool = _opt(False, "CORS: allow credentials (cookies, auth headers).")
+    ssl_keyfile: str | None = _opt(None, "TLS private key file (PEM); with --ssl-certfile.")
+    ssl_certfile: str | None = _opt(None, "TLS certificate file (PEM): serve HTTPS.")
+    ssl_ca_certs: str | None = _opt(None, "CA certificates file to verify client certificates.")
+    root_path: str | None = _opt(
+        None, "URL prefix under which a reverse proxy serves this app (ASGI root_path)."
+    )
+    metrics_prefix: str = _opt(
+        "vtllm",
+        "Prefix of every Prometheus series: vtllm (vtllm:*) or vllm (vllm:*, so "
+        "dashboards and alerts written for vLLM work unchanged).",
+        choices=("vtllm", "vllm"),
     )
 
 
@@ -321,8 +410,35 @@ class VtllmConfig:
             problems.append(
                 f"--tensor-parallel-size must be >= 1, got {self.parallel.tensor_parallel_size}"
             )
+        problems.extend(self._frontend_problems())
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _frontend_problems(self) -> list[str]:
+        """The HTTP flags' values: logprob limit, CORS JSON lists, TLS pair."""
+        import json
+
+        problems, fe = [], self.frontend
+        if not 0 <= fe.max_logprobs <= 20:
+            problems.append(f"--max-logprobs must be in 0..20, got {fe.max_logprobs}")
+        for flag, text in (
+            ("--allowed-origins", fe.allowed_origins),
+            ("--allowed-methods", fe.allowed_methods),
+            ("--allowed-headers", fe.allowed_headers),
+        ):
+            if text is None:
+                continue
+            try:
+                value = json.loads(text)
+            except ValueError:
+                value = None
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                problems.append(
+                    f"{flag} takes a JSON list of strings such as '[\"*\"]', got {text!r}"
+                )
+        if bool(fe.ssl_keyfile) != bool(fe.ssl_certfile):
+            problems.append("--ssl-keyfile and --ssl-certfile go together; give both or neither")
+        return problems
 
 
 def config_sections(config: VtllmConfig) -> list[tuple[str, Any]]:

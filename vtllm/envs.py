@@ -93,6 +93,11 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VT_MAX_STOP_TOKEN_IDS": lambda: _int("VT_MAX_STOP_TOKEN_IDS", 1024),
     # Most logit_bias entries in one request (HTTP schema and engine core).
     "VT_MAX_LOGIT_BIAS_ENTRIES": lambda: _int("VT_MAX_LOGIT_BIAS_ENTRIES", 1024),
+    # Set (1/true/yes/on): allow --max-model-len above the model's max_position_embeddings.
+    "VT_ALLOW_LONG_MAX_MODEL_LEN": lambda: (
+        os.environ.get("VT_ALLOW_LONG_MAX_MODEL_LEN", "").strip().lower()
+        in ("1", "true", "yes", "on")
+    ),
     # Test hook: a worker sleeps this many seconds in every model execution.
     "VT_TEST_WORKER_STEP_DELAY_S": lambda: _float("VT_TEST_WORKER_STEP_DELAY_S", 0.0),
 }

@@ -23,7 +23,10 @@ import contextlib
 import logging
 import multiprocessing
 import signal
+import socket
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from vtllm import envs
 from vtllm.config import VtllmConfig
@@ -31,6 +34,7 @@ from vtllm.engine_core.core_proc import run_engine_core
 from vtllm.log import configure_logging
 from vtllm.process import set_process_title
 from vtllm.protocol import transport
+from vtllm.startup import StartupError, bind_http_socket, check_model_config, read_model_config
 
 logger = logging.getLogger("vtllm.launch")
 
@@ -38,10 +42,45 @@ EXIT_ENGINE_DIED = 3
 
 
 def resolve_model(config: VtllmConfig) -> str:
-    """The HF-style model directory to serve (converting a GGUF once, cached)."""
+    """The HF-style model directory to serve: a Hugging Face name downloaded (or found in
+    the HF cache), a GGUF converted once (cached), or the directory given; its
+    config.json checked (architecture, --max-model-len). StartupError on a user mistake."""
+    from vtllm.hub import resolve_model_name
     from vtllm.worker.loader.gguf_convert import resolve_model_dir
 
-    return str(resolve_model_dir(config.model.model, envs.VT_CACHE_DIR, progress=logger.info))
+    started = time.monotonic()
+    model = config.model
+    name = resolve_model_name(model.model, model.revision, model.download_dir)
+    try:
+        model_dir = str(resolve_model_dir(name, envs.VT_CACHE_DIR, progress=logger.info))
+    except (FileNotFoundError, NotImplementedError) as e:
+        raise StartupError(str(e).splitlines()[0]) from None
+    check_model_config(read_model_config(model_dir), model_dir, model.max_model_len)
+    if model.trust_remote_code:
+        logger.info(
+            "--trust-remote-code is not needed: vtllm never runs code from a checkpoint "
+            "(its architectures are built in)"
+        )
+    elapsed = time.monotonic() - started
+    if elapsed > 1.0:
+        logger.info("model %s ready in %s (%.1fs)", model.model or "(embedded)", model_dir, elapsed)
+    return model_dir
+
+
+def resolve_tokenizer(config: VtllmConfig, model_dir: str) -> str:
+    """The directory the frontend's tokenizer comes from: --tokenizer (a directory or a
+    Hugging Face name), else the model's."""
+    from vtllm.hub import resolve_model_name
+
+    model = config.model
+    name = resolve_model_name(
+        model.tokenizer, model.tokenizer_revision, model.download_dir, "tokenizer"
+    )
+    if name is None:
+        return model_dir
+    if not (Path(name) / "tokenizer.json").is_file():
+        raise StartupError(f"--tokenizer {model.tokenizer!r}: {name} has no tokenizer.json")
+    return name
 
 
 def worker_addresses(runtime_dir) -> tuple[str, str]:
@@ -111,7 +150,7 @@ def _stop_signals_ignored() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def serve(config: VtllmConfig) -> int:
+def serve(config: VtllmConfig, sock: socket.socket | None = None) -> int:
     """Run until stopped. Exit code 0 on a clean or signal-initiated stop, non-zero if the
     engine died or refused to start (so systemd's Restart=on-failure restarts it).
 
@@ -121,9 +160,20 @@ def serve(config: VtllmConfig) -> int:
     configure_logging("VTLLM::Frontend")
     from vtllm.frontend.app import run_frontend
 
-    model_dir = resolve_model(config)
+    # the port first (``sock``: bound by the CLI already): a conflict is reported at
+    # once, not after loading the model
+    if sock is None:
+        sock = bind_http_socket(config.frontend.host, config.frontend.port)
+    try:
+        model_dir = resolve_model(config)
+        tokenizer_dir = resolve_tokenizer(config, model_dir)
+    except BaseException:
+        sock.close()
+        raise
     if config.engine.engine_address:
-        return run_frontend(config, model_dir, config.engine.engine_address)
+        return run_frontend(
+            config, model_dir, config.engine.engine_address, sock=sock, tokenizer_dir=tokenizer_dir
+        )
     runtime_dir = transport.make_runtime_dir()
     engine = None
     try:
@@ -133,6 +183,8 @@ def serve(config: VtllmConfig) -> int:
             model_dir,
             client_address,
             engine_alive=engine.is_alive,
+            sock=sock,
+            tokenizer_dir=tokenizer_dir,
         )
         exitcode = engine.exitcode
         if code != 0 and exitcode is not None and exitcode != 0:
@@ -145,6 +197,7 @@ def serve(config: VtllmConfig) -> int:
                 stop_process(engine, config.engine.shutdown_timeout + STOP_MARGIN_S)
             transport.remove_runtime_dir(runtime_dir)
             stop_resource_tracker()
+            sock.close()
 
 
 def engine_core(config: VtllmConfig) -> int:

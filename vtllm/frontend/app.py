@@ -8,8 +8,10 @@ client mistake is never a 500, and client values echoed in errors are clipped.
 
 With an API key (``--api-key`` / ``VT_API_KEY``), ``/v1/*``, ``/tokenize`` and
 ``/detokenize`` need ``Authorization: Bearer <key>`` (else 401; the scheme in any case,
-the key compared in constant time); ``/health``, ``/metrics``, ``/version`` and
-``/openapi.json`` stay open. No route redirects (a trailing slash is a 404, never a
+the key compared in constant time); ``/health``, ``/ping``, ``/metrics``, ``/version`` and
+``/openapi.json`` stay open. Probes of ``/health``, ``/ping`` and ``/metrics`` never reach
+the access log (``--enable-log-requests`` controls the rest). No route redirects (a
+trailing slash is a 404, never a
 redirect built from the ``Host`` header).
 """
 
@@ -18,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -31,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -44,8 +49,13 @@ from vtllm.frontend.generation import GenerationError, error_for
 from vtllm.frontend.health import EngineHealth
 from vtllm.frontend.http_deadlines import DeadlineH11Protocol
 from vtllm.frontend.metrics import FrontendMetrics, StatsLogger
-from vtllm.frontend.openai_types import OpenAIError
+from vtllm.frontend.openai_types import OpenAIError, clip
 from vtllm.frontend.openapi import openapi_document
+from vtllm.frontend.request_defaults import (
+    RequestDefaults,
+    load_generation_defaults,
+    request_params,
+)
 from vtllm.frontend.serving_chat import create_chat_completion
 from vtllm.frontend.serving_completion import create_completion
 from vtllm.frontend.serving_context import ServingContext, json_response, now_s
@@ -109,6 +119,11 @@ def uvicorn_config(app: Starlette, config: VtllmConfig, **overrides: Any) -> uvi
         "http": protocol,
         "timeout_keep_alive": frontend.http_keep_alive_timeout,
         "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
+        "access_log": frontend.enable_log_requests,
+        "ssl_keyfile": frontend.ssl_keyfile,
+        "ssl_certfile": frontend.ssl_certfile,
+        "ssl_ca_certs": frontend.ssl_ca_certs,
+        "root_path": frontend.root_path or "",
         **overrides,
     }
     return uvicorn.Config(app, **settings)
@@ -125,13 +140,18 @@ def _served_name(config: VtllmConfig, model_dir: str, engine: EngineClient) -> s
 
 
 def build_context(
-    config: VtllmConfig, model_dir: str, engine_client: EngineClient
+    config: VtllmConfig,
+    model_dir: str,
+    engine_client: EngineClient,
+    tokenizer_dir: str | None = None,
+    default_max_tokens: int | None = None,
 ) -> ServingContext:
-    """Load the tokenizer and take the engine's limits from its ``Ready``."""
+    """Load the tokenizer (``tokenizer_dir``, default the model's) and take the engine's
+    limits from its ``Ready``."""
     ready = engine_client.ready
     if ready is None:
         raise RuntimeError("build_app needs a connected engine client (call connect first)")
-    tokenizer = ModelTokenizer.from_dir(model_dir)
+    tokenizer = ModelTokenizer.from_dir(tokenizer_dir or model_dir)
     unknown_eos = [i for i in tokenizer.eos_token_ids if i not in ready.eos_token_ids]
     if unknown_eos:  # the engine core decides EOS; say so if it disagrees with the tokenizer
         logger.warning(
@@ -148,18 +168,32 @@ def build_context(
         model_name=name,
         max_model_len=ready.max_model_len,
         vocab_size=ready.vocab_size or tokenizer.vocab_size,
-        default_max_tokens=config.frontend.default_max_tokens,
+        default_max_tokens=config.frontend.default_max_tokens or default_max_tokens,
         model_aliases=aliases,
         tool_call_parser=config.frontend.tool_call_parser,
         max_choices_per_request=config.frontend.max_choices_per_request,
     )
 
 
-def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) -> Starlette:
+def build_app(
+    config: VtllmConfig,
+    model_dir: str,
+    engine_client: EngineClient,
+    tokenizer_dir: str | None = None,
+) -> Starlette:
     """The OpenAI-compatible app. ``engine_client`` must already be connected; the app's
     metrics (``app.state.metrics``) observe it from now on."""
-    ctx = build_context(config, model_dir, engine_client)
-    metrics = FrontendMetrics(ctx.model_name, ctx.max_model_len)
+    sampling_defaults, max_new_tokens = load_generation_defaults(
+        model_dir, config.model.generation_config
+    )
+    request_defaults = RequestDefaults(sampling_defaults, config.frontend.max_logprobs)
+    ctx = build_context(config, model_dir, engine_client, tokenizer_dir, max_new_tokens)
+    metrics = FrontendMetrics(
+        ctx.model_name,
+        ctx.max_model_len,
+        config.frontend.metrics_prefix,
+        cache_info(config, engine_client),
+    )
     engine_client.add_observer(metrics)
     engine_health = EngineHealth(engine_client)
     engine_client.add_observer(engine_health)
@@ -180,16 +214,29 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
                 code="invalid_api_key",
             )
 
-    def endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    def endpoint(
+        handler: Handler, generation: str | None = None
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """``generation`` ("chat", "completion"): the request defaults apply to its body."""
+
         async def run(request: Request) -> Response:
             try:
                 check_auth(request)
                 body = await read_body(request, max_bytes)
                 # a worker thread for large bodies: the scan is numpy, the loop keeps serving
                 await ctx.off_loop(len(body), check_body, body, max_depth)
+                params = None
+                if generation is not None:
+                    params = request_params(body)
+                    if request_defaults.active:
+                        chat = generation == "chat"
+                        body = await ctx.off_loop(len(body), request_defaults.apply, body, chat)
                 if not engine_client.is_alive:
                     raise EngineDeadError(engine_client.dead_reason or "not connected")
-                return await handler(ctx, body, request.is_disconnected)
+                response = await handler(ctx, body, request.is_disconnected)
+                if params is not None and response.status_code < 400:
+                    metrics.on_http_request(*params)
+                return response
             except ClientDisconnect:
                 return Response(status_code=499)
             except (OpenAIError, EngineDeadError, GenerationError) as e:
@@ -197,9 +244,8 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
 
         return run
 
-    async def models(request: Request) -> Response:
-        check_auth(request)
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": ctx.model_name,
             "object": "model",
             "created": now_s(),
@@ -207,7 +253,23 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
             "root": model_dir,
             "max_model_len": ctx.max_model_len,
         }
-        return json_response({"object": "list", "data": [card]})
+
+    async def models(request: Request) -> Response:
+        check_auth(request)
+        return json_response({"object": "list", "data": [model_card()]})
+
+    async def model_by_id(request: Request) -> Response:
+        check_auth(request)
+        model_id = request.path_params["model_id"]
+        if model_id != ctx.model_name:
+            raise OpenAIError(
+                404,
+                f"model {clip(model_id)!r} does not exist; this server serves {ctx.model_name!r}",
+                "not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+        return json_response(model_card())
 
     async def health(request: Request) -> Response:
         problem = engine_health.problem()
@@ -238,19 +300,21 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
         return error_response(error_for(exc))
 
     routes = [
-        Route("/v1/chat/completions", endpoint(create_chat_completion), methods=["POST"]),
-        Route("/v1/completions", endpoint(create_completion), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint(create_chat_completion, "chat"), methods=["POST"]),
+        Route("/v1/completions", endpoint(create_completion, "completion"), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model_by_id, methods=["GET"]),
         Route("/tokenize", endpoint(tokenize), methods=["POST"]),
         Route("/detokenize", endpoint(detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's probe (vLLM's too)
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(DrainMiddleware, drain=ctx.drain)],
+        middleware=[*cors_middleware(config), Middleware(DrainMiddleware, drain=ctx.drain)],
         exception_handlers={
             HTTPException: on_http_error,
             OpenAIError: on_openai_error,
@@ -265,11 +329,62 @@ def build_app(config: VtllmConfig, model_dir: str, engine_client: EngineClient) 
     return app
 
 
+def cache_info(config: VtllmConfig, engine: EngineClient) -> dict[str, str]:
+    """Labels of the cache_config_info series (vLLM's names for the KV-cache settings)."""
+    ready = engine.ready
+    return {
+        "block_size": str(ready.block_size if ready else config.cache.block_size),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": str(config.cache.enable_prefix_caching),
+        "gpu_memory_utilization": str(config.cache.gpu_memory_utilization),
+        "num_gpu_blocks": str(ready.num_kv_blocks if ready else 0),
+    }
+
+
+def cors_middleware(config: VtllmConfig) -> list[Middleware]:
+    """CORS as vLLM's --allowed-origins/--allowed-methods/--allowed-headers/
+    --allow-credentials set it; none when --allowed-origins is unset."""
+    fe = config.frontend
+    if fe.allowed_origins is None:
+        return []
+    return [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=json.loads(fe.allowed_origins),
+            allow_methods=json.loads(fe.allowed_methods),
+            allow_headers=json.loads(fe.allowed_headers),
+            allow_credentials=fe.allow_credentials,
+        )
+    ]
+
+
+PROBE_PATHS = frozenset({"/health", "/ping", "/metrics"})
+
+
+class ProbeAccessFilter(logging.Filter):
+    """Drops uvicorn access-log records of probe paths (load balancers and Prometheus
+    poll them every few seconds; vLLM leaves them out too)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].split("?", 1)[0] not in PROBE_PATHS
+        return True
+
+
+def install_probe_filter() -> None:
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, ProbeAccessFilter) for f in access.filters):
+        access.addFilter(ProbeAccessFilter())
+
+
 def run_frontend(
     config: VtllmConfig,
     model_dir: str,
     engine_address: str,
     engine_alive: Callable[[], bool] | None = None,
+    sock: socket.socket | None = None,
+    tokenizer_dir: str | None = None,
 ) -> int:
     """Connect to the engine core and serve HTTP until SIGINT/SIGTERM or engine death.
 
@@ -283,7 +398,7 @@ def run_frontend(
         setproctitle.setproctitle("VTLLM::Frontend")
     except ImportError:  # pragma: no cover - optional at runtime
         pass
-    return asyncio.run(_serve(config, model_dir, engine_address, engine_alive))
+    return asyncio.run(_serve(config, model_dir, engine_address, engine_alive, sock, tokenizer_dir))
 
 
 @contextlib.contextmanager
@@ -308,7 +423,10 @@ async def _serve(
     model_dir: str,
     engine_address: str,
     engine_alive: Callable[[], bool] | None,
+    sock: socket.socket | None = None,
+    tokenizer_dir: str | None = None,
 ) -> int:
+    """``sock``: the listening socket bound at start-up (launch.py), else host:port."""
     engine = EngineClient()
     server: DrainingServer | None = None
     drain: Drain | None = None
@@ -339,26 +457,32 @@ async def _serve(
         logger.error("%s", e)
         return 1
     try:
-        app = build_app(config, model_dir, engine)
+        app = build_app(config, model_dir, engine, tokenizer_dir)
         drain = app.state.serving.drain
+        install_probe_filter()
         uv_config = uvicorn_config(
             app,
             config,
-            log_level=envs.VT_LOG_LEVEL.lower(),
+            log_level=config.frontend.uvicorn_log_level or envs.VT_LOG_LEVEL.lower(),
             log_config=None,  # vtllm's own handlers (text or JSON lines, see vtllm/log.py)
             timeout_graceful_shutdown=5,  # a backstop: the drain has ended every request
         )
         server = DrainingServer(uv_config, drain, config.engine.shutdown_timeout)
         logger.info(
-            "serving %s on http://%s:%d",
+            "serving %s on %s://%s:%d",
             app.state.serving.model_name,
+            "https" if config.frontend.ssl_certfile else "http",
             uv_config.host,
             uv_config.port,
         )
-        stats_log = asyncio.create_task(StatsLogger(app.state.metrics).run())
+        stats_log = asyncio.create_task(
+            StatsLogger(app.state.metrics).run()
+            if not config.frontend.disable_log_stats
+            else asyncio.sleep(0)
+        )
         try:
             with _signals_recorded():
-                await server.serve()
+                await server.serve(sockets=[sock] if sock is not None else None)
         finally:
             stats_log.cancel()
             with contextlib.suppress(asyncio.CancelledError):

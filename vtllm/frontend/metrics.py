@@ -1,4 +1,5 @@
-"""Prometheus metrics of the frontend, and its periodic one-line stats log.
+"""Prometheus metrics of the frontend (vLLM's v1 series, see ``FrontendMetrics``), and its
+periodic one-line stats log.
 
 ``FrontendMetrics`` is a ``RequestObserver`` of the engine client: it folds in every
 ``EngineOutputs`` batch as it arrives (engine gauges and counters from ``SchedulerStats``,
@@ -66,13 +67,27 @@ class _RequestTimes:
     first_token: float | None = None
     last_token: float | None = None
     num_generation_tokens: int = 0
+    prefill_s: float = 0.0
+
+
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+_PREFILL_TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 class FrontendMetrics:
-    """Every ``vtllm:*`` series, labelled with ``model_name``. Feed it through
-    ``EngineClient.add_observer``; serve ``registry`` at ``/metrics``."""
+    """Every series of vLLM's v1 engine (same names after the prefix, types, buckets and
+    ``model_name`` label), under ``prefix:`` (``--metrics-prefix``: ``vtllm`` or
+    ``vllm``). Feed it through ``EngineClient.add_observer`` and ``on_http_request``;
+    serve ``registry`` at ``/metrics``."""
 
-    def __init__(self, model_name: str, max_model_len: int) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        prefix: str = "vtllm",
+        cache_info: dict[str, str] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._requests: dict[str, _RequestTimes] = {}
         # plain running totals for the console stats line
@@ -86,87 +101,146 @@ class FrontendMetrics:
         reg = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=reg).labels(model_name)
+            return Gauge(f"{prefix}:{name}", doc, labels, registry=reg).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=reg).labels(model_name)
+            return Counter(f"{prefix}:{name}", doc, labels, registry=reg).labels(model_name)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+            return Histogram(f"{prefix}:{name}", doc, labels, buckets=buckets, registry=reg).labels(
+                model_name
+            )
 
+        tokens = token_buckets(max_model_len)
         self.num_requests_running = gauge(
-            "vtllm:num_requests_running", "Requests in the engine's running batch."
+            "num_requests_running", "Requests in the engine's running batch."
         )
         self.num_requests_waiting = gauge(
-            "vtllm:num_requests_waiting", "Requests waiting in the engine's queue."
+            "num_requests_waiting", "Requests waiting in the engine's queue."
         )
         self.kv_cache_usage = gauge(
-            "vtllm:kv_cache_usage_perc", "Fraction of usable KV-cache blocks in use (0..1)."
+            "kv_cache_usage_perc", "Fraction of usable KV-cache blocks in use (0..1)."
+        )
+        self.gpu_cache_usage = gauge(
+            "gpu_cache_usage_perc", "Same as kv_cache_usage_perc (vLLM's deprecated name)."
         )
         self.prefix_cache_queries = counter(
-            "vtllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         self.prefix_cache_hits = counter(
-            "vtllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.gpu_prefix_cache_queries = counter(
+            "gpu_prefix_cache_queries", "Same as prefix_cache_queries (vLLM's deprecated name)."
+        )
+        self.gpu_prefix_cache_hits = counter(
+            "gpu_prefix_cache_hits", "Same as prefix_cache_hits (vLLM's deprecated name)."
         )
         self.num_preemptions = counter(
-            "vtllm:num_preemptions", "Requests preempted by the engine (KV cache full)."
+            "num_preemptions", "Requests preempted by the engine (KV cache full)."
         )
         self.prompt_tokens = counter(
-            "vtllm:prompt_tokens", "Prompt tokens of requests the engine started serving."
+            "prompt_tokens", "Prompt tokens of requests the engine started serving."
         )
         self.generation_tokens = counter(
-            "vtllm:generation_tokens", "Tokens generated and delivered to the frontend."
+            "generation_tokens", "Tokens generated and delivered to the frontend."
         )
         self._request_success = Counter(
-            "vtllm:request_success",
+            f"{prefix}:request_success",
             "Finished requests by finish reason (stop, length, abort, error).",
             ["model_name", "finished_reason"],
             registry=reg,
         )
         self._model_name = model_name
         self.time_to_first_token = histogram(
-            "vtllm:time_to_first_token_seconds",
+            "time_to_first_token_seconds",
             "Arrival at the frontend to the first generated token.",
             _LATENCY_BUCKETS,
         )
         self.inter_token_latency = histogram(
-            "vtllm:inter_token_latency_seconds",
+            "inter_token_latency_seconds",
             "Time between successive token deliveries of a request.",
             _ITL_BUCKETS,
         )
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds",
+            "Same observations as inter_token_latency_seconds (vLLM's older name).",
+            _ITL_BUCKETS,
+        )
         self.e2e_request_latency = histogram(
-            "vtllm:e2e_request_latency_seconds",
+            "e2e_request_latency_seconds",
             "Arrival at the frontend to the end of the request.",
             _REQUEST_BUCKETS,
         )
         self.request_queue_time = histogram(
-            "vtllm:request_queue_time_seconds",
+            "request_queue_time_seconds",
             "Seconds from the engine core receiving a request to its first scheduling "
             "(engine clock), observed when the first token arrives.",
             _REQUEST_BUCKETS,
         )
         self.request_prefill_time = histogram(
-            "vtllm:request_prefill_time_seconds",
+            "request_prefill_time_seconds",
             "Seconds from a request's first scheduling to its first token (engine clock): "
             "the prefill, over however many chunks it took.",
             _REQUEST_BUCKETS,
         )
         self.request_decode_time = histogram(
-            "vtllm:request_decode_time_seconds",
+            "request_decode_time_seconds",
             "First token to last token of a request.",
             _REQUEST_BUCKETS,
         )
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds",
+            "First scheduling to the last token (prefill + decode) of a finished request.",
+            _REQUEST_BUCKETS,
+        )
+        self.time_per_prefill_token = histogram(
+            "time_per_prefill_token_request_seconds",
+            "Prefill time of a request divided by its prompt tokens.",
+            _PREFILL_TOKEN_BUCKETS,
+        )
         self.request_prompt_tokens = histogram(
-            "vtllm:request_prompt_tokens",
-            "Prompt tokens per finished request.",
-            token_buckets(max_model_len),
+            "request_prompt_tokens", "Prompt tokens per finished request.", tokens
         )
         self.request_generation_tokens = histogram(
-            "vtllm:request_generation_tokens",
-            "Generated tokens per finished request.",
-            token_buckets(max_model_len),
+            "request_generation_tokens", "Generated tokens per finished request.", tokens
         )
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "Generated tokens of a finished request's longest sequence (one per engine "
+            "request here: n is split into separate requests).",
+            tokens,
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Tokens per engine output batch (one per step): prompt tokens first reported "
+            "in it plus tokens generated in it.",
+            _ITERATION_BUCKETS,
+        )
+        self.request_params_n = histogram(
+            "request_params_n", "The n parameter of HTTP generation requests.", _N_BUCKETS
+        )
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens",
+            "The max_tokens parameter of HTTP generation requests that set it.",
+            tokens,
+        )
+        info = dict(cache_info or {})
+        if info:
+            Gauge(
+                f"{prefix}:cache_config_info",
+                "KV-cache configuration (labels; the value is always 1).",
+                list(info),
+                registry=reg,
+            ).labels(**info).set(1)
+
+    # -- HTTP requests (app.py) --------------------------------------------------------
+
+    def on_http_request(self, n: int, max_tokens: int | None) -> None:
+        """A generation request the HTTP layer accepted (its ``n`` and ``max_tokens``)."""
+        self.request_params_n.observe(n)
+        if max_tokens is not None and max_tokens > 0:
+            self.request_params_max_tokens.observe(max_tokens)
 
     # -- RequestObserver ---------------------------------------------------------------
 
@@ -176,10 +250,13 @@ class FrontendMetrics:
     def on_outputs(self, message: m.EngineOutputs, now: float) -> None:
         if message.scheduler_stats is not None:
             self._fold_stats(message.scheduler_stats)
+        step_tokens = 0
         for output in message.outputs:
             times = self._requests.get(output.request_id)
             if times is not None:  # None: finished or released already
-                self._fold_output(times, output, now)
+                step_tokens += self._fold_output(times, output, now)
+        if step_tokens:
+            self.iteration_tokens.observe(step_tokens)
 
     def on_request_done(self, request_id: str, finish_reason: str, now: float) -> None:
         times = self._requests.pop(request_id, None)
@@ -189,8 +266,11 @@ class FrontendMetrics:
         self.e2e_request_latency.observe(now - times.added)
         self.request_prompt_tokens.observe(times.num_prompt_tokens)
         self.request_generation_tokens.observe(times.num_generation_tokens)
+        self.request_max_num_generation_tokens.observe(times.num_generation_tokens)
         if times.first_token is not None and times.last_token is not None:
-            self.request_decode_time.observe(times.last_token - times.first_token)
+            decode = times.last_token - times.first_token
+            self.request_decode_time.observe(decode)
+            self.request_inference_time.observe(times.prefill_s + decode)
 
     # -- folding -----------------------------------------------------------------------
 
@@ -199,41 +279,53 @@ class FrontendMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.gpu_cache_usage.set(stats.kv_cache_usage)
         # these three are deltas since the previous stats
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        self.gpu_prefix_cache_queries.inc(stats.prefix_cache_queries)
+        self.gpu_prefix_cache_hits.inc(stats.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions)
         self.num_prefix_queries += stats.prefix_cache_queries
         self.num_prefix_hits += stats.prefix_cache_hits
 
-    def _fold_output(self, times: _RequestTimes, output: m.RequestOutput, now: float) -> None:
+    def _fold_output(self, times: _RequestTimes, output: m.RequestOutput, now: float) -> int:
+        """Fold one output in; returns the tokens it adds to this step (prompt tokens on
+        the first report, plus the new tokens)."""
+        step_tokens = 0
         if times.first_report is None:
             times.first_report = now
             num_prompt = output.num_prompt_tokens or times.num_prompt_tokens
             times.num_prompt_tokens = num_prompt
             self.prompt_tokens.inc(num_prompt)
             self.num_prompt_tokens += num_prompt
+            step_tokens += num_prompt
         num_new = len(output.new_token_ids)
         if num_new == 0:
-            return
+            return step_tokens
         if times.first_token is None:
             times.first_token = now
             self.time_to_first_token.observe(now - times.added)
             # engine-side timings when the engine sends them (vtllm's engine core does);
             # otherwise the frontend's view, where the queue includes the prefill
             if output.queue_time_s is not None and output.prefill_time_s is not None:
-                self.request_queue_time.observe(output.queue_time_s)
-                self.request_prefill_time.observe(output.prefill_time_s)
+                queue_s, prefill_s = output.queue_time_s, output.prefill_time_s
             else:
-                self.request_queue_time.observe(now - times.added)
-                self.request_prefill_time.observe(0.0)
+                queue_s, prefill_s = now - times.added, 0.0
+            times.prefill_s = prefill_s
+            self.request_queue_time.observe(queue_s)
+            self.request_prefill_time.observe(prefill_s)
+            if times.num_prompt_tokens > 0:
+                self.time_per_prefill_token.observe(prefill_s / times.num_prompt_tokens)
         else:
             assert times.last_token is not None
             self.inter_token_latency.observe(now - times.last_token)
+            self.time_per_output_token.observe(now - times.last_token)
         times.last_token = now
         times.num_generation_tokens += num_new
         self.generation_tokens.inc(num_new)
         self.num_generation_tokens += num_new
+        return step_tokens + num_new
 
 
 class StatsLogger:
