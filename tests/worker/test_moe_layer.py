@@ -184,3 +184,40 @@ def test_two_ranks_shards_sum_to_the_unsharded_experts():
         match=r"moe intermediate size \(12\) is not divisible by --tensor-parallel-size \(5\)",
     ):
         FusedMoE(NUM_EXPERTS, HIDDEN, INTER, TPGroup(0, 5))
+
+
+def test_experts_match_gemma4_experts_with_gelu_tanh():
+    """The hook Gemma 4 will use: ``FusedMoE`` with GeGLU experts, fed its router's
+    ``(weights, ids)``, equals transformers' ``Gemma4TextExperts`` (whose stacked
+    ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` are our layout)."""
+    import transformers
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+
+    config = transformers.Gemma4TextConfig(
+        hidden_size=HIDDEN,
+        num_experts=NUM_EXPERTS,
+        top_k_experts=TOP_K,
+        moe_intermediate_size=INTER,
+        enable_moe_block=True,
+    )
+    reference = Gemma4TextExperts(config)
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        reference.gate_up_proj.copy_(
+            torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=generator)
+        )
+        reference.down_proj.copy_(torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=generator))
+        x = torch.randn(9, HIDDEN, generator=generator)
+        weights, ids = select_experts(
+            torch.randn(9, NUM_EXPERTS, generator=generator), RouterSpec(TOP_K)
+        )
+        expected = reference(x, ids, weights)
+    experts = FusedMoE(NUM_EXPERTS, HIDDEN, INTER, TPGroup(), activation="gelu_pytorch_tanh")
+    for e in range(NUM_EXPERTS):
+        gate, up = reference.gate_up_proj[e].detach().chunk(2)
+        experts.weight_loader(experts.w13_weight, gate, (e, "gate"))
+        experts.weight_loader(experts.w13_weight, up, (e, "up"))
+        experts.weight_loader(experts.w2_weight, reference.down_proj[e].detach(), (e, "down"))
+    torch.testing.assert_close(experts(x, weights, ids), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(NotImplementedError, match="expert activation 'relu' is not supported"):
+        FusedMoE(NUM_EXPERTS, HIDDEN, INTER, TPGroup(), activation="relu")

@@ -15,6 +15,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+import transformers
 
 from .moe_tp_rank import run_rank
 from .test_llama_vs_transformers import ATOL, _prefill_then_decode
@@ -24,6 +25,17 @@ from .tiny_models import VOCAB_SIZE, hf_last_logprobs, make_hf_model
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_prefill_whole_then_decode_two_requests(kind, tmp_path):
     _prefill_then_decode(tmp_path, make_hf_model(kind, tmp_path))
+
+
+def test_sharded_bf16_checkpoint(tmp_path):
+    """Experts spread over several bf16 files, loaded into fp32; the reference is
+    transformers loading the same files into fp32."""
+    written = make_hf_model("mixtral", tmp_path / "fp32").to(torch.bfloat16)
+    model_dir = tmp_path / "sharded"
+    written.save_pretrained(model_dir, max_shard_size="100KB")
+    assert len(list(model_dir.glob("*.safetensors"))) > 2
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    _prefill_then_decode(model_dir, hf_model.eval())
 
 
 def test_tensor_parallel_two_ranks(tmp_path):
