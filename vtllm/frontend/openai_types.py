@@ -96,9 +96,6 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 _FIELD_PATH = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
 
-_NO_CONSTRAINED_DECODING = (
-    "is not supported yet (no constrained decoding); remove it to get unconstrained output"
-)
 # Declared fields whose only accepted value is "off": the message for any other value.
 UNSUPPORTED_FIELDS = {
     "prompt_logprobs": "prompt_logprobs is not supported yet; remove it or send null",
@@ -107,10 +104,6 @@ UNSUPPORTED_FIELDS = {
     "stop strings are always cut from the output",
     "skip_special_tokens": "skip_special_tokens=false is not supported yet; special tokens "
     "are always skipped in the output text",
-    "guided_json": f"guided_json {_NO_CONSTRAINED_DECODING}",
-    "guided_regex": f"guided_regex {_NO_CONSTRAINED_DECODING}",
-    "guided_choice": f"guided_choice {_NO_CONSTRAINED_DECODING}",
-    "guided_grammar": f"guided_grammar {_NO_CONSTRAINED_DECODING}",
     "functions": "functions is the deprecated form of tools; send tools instead",
     "function_call": "function_call is the deprecated form of tool_choice; send tool_choice",
     "suffix": "suffix is not supported yet (no fill-in-the-middle); remove it",
@@ -241,10 +234,12 @@ class _SamplingFields(msgspec.Struct):
     use_beam_search: Annotated[Literal[False], _off("only false")] = False
     include_stop_str_in_output: Annotated[Literal[False], _off("only false")] = False
     skip_special_tokens: Annotated[Literal[True], _off("only true")] = True
-    guided_json: Annotated[None, _off("only null")] = None
-    guided_regex: Annotated[None, _off("only null")] = None
-    guided_choice: Annotated[None, _off("only null")] = None
-    guided_grammar: Annotated[None, _off("only null")] = None
+    # vLLM's output formats (frontend/structured_output.py checks and converts them)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def stop_strings(self) -> list[str]:

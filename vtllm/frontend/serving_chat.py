@@ -5,20 +5,22 @@ finish_reason on each choice's last chunk, a usage chunk (``choices: []``) when
 ``stream_options.include_usage``, then ``data: [DONE]``. An error mid-stream is one event
 in OpenAI error shape, then ``data: [DONE]``.
 
-Tools: the model's template renders ``tools``; with ``--tool-call-parser`` the output is
-parsed into ``tool_calls`` (``tool_parsers.py``) unless ``tool_choice`` is "none". A
-streamed call is two deltas, its id and name, then its arguments.
+Tools: the chat template renders ``tools`` (``chat_template.py``); ``tool_choice`` decides
+how the output is read (``tool_choice.py``: parsed by the tool-call parser, or forced into
+a JSON schema by structured output); ``chat_output.py`` turns each choice's text into
+``reasoning_content`` (``--reasoning-parser``), ``content`` and ``tool_calls``. A streamed
+call is two deltas, its id and name, then its arguments.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
-from vtllm.frontend.generation import ChoiceDelta, ChoiceJob, ChoiceMerger, collect
+from vtllm.frontend.chat_output import ChoiceOutput
+from vtllm.frontend.generation import ChoiceJob, ChoiceMerger, collect
 from vtllm.frontend.logprobs import chat_logprobs
 from vtllm.frontend.openai_types import (
     ChatCompletionRequest,
@@ -27,6 +29,7 @@ from vtllm.frontend.openai_types import (
     clip,
     decode_body,
 )
+from vtllm.frontend.reasoning import THINK_END, expects_thinking
 from vtllm.frontend.sampling import (
     build_sampling_params,
     check_prompt_chars,
@@ -54,21 +57,10 @@ from vtllm.frontend.sse import (
     sse_error,
     sse_event,
 )
+from vtllm.frontend.structured_output import structured_output_spec
 from vtllm.frontend.tokenizer import ChatTemplateError
-from vtllm.frontend.tool_parsers import HermesToolParser, ParsedText, make_tool_parser
-
-
-@dataclass
-class ToolPlan:
-    """What to do with tool calls in this request's output."""
-
-    parser_name: str | None = None  # None: no parsing, the text is the content
-    max_calls: int | None = None  # 1 with parallel_tool_calls=false
-
-    def new_parser(self) -> HermesToolParser | None:
-        if self.parser_name is None:
-            return None
-        return make_tool_parser(self.parser_name, self.max_calls)
+from vtllm.frontend.tool_choice import ToolPlan, plan_tools
+from vtllm.protocol.messages import StructuredOutputKind, StructuredOutputSpec
 
 
 def _check_supported(request: ChatCompletionRequest) -> None:
@@ -82,76 +74,10 @@ def _check_supported(request: ChatCompletionRequest) -> None:
                 "or a list of text parts",
                 f"messages[{i}].content",
             )
-    fmt = (request.response_format or {}).get("type", "text")
-    # json_object is accepted as OpenAI clients send it, but output is not constrained yet
-    # (docs/USAGE.md says so); json_schema would promise a shape we cannot guarantee.
-    if fmt not in ("text", "json_object"):
-        raise bad_request(
-            f"response_format type {clip(fmt)!r} is not supported (no constrained decoding yet); "
-            "use 'text' or 'json_object' (accepted, not enforced)",
-            "response_format",
-        )
     if request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
-
-
-def _tool_names(tools: list[dict[str, Any]]) -> list[str]:
-    names = []
-    for tool in tools:
-        function = tool.get("function")
-        if isinstance(function, dict) and isinstance(function.get("name"), str):
-            names.append(function["name"])
-    return names
-
-
-def plan_tools(ctx: ServingContext, request: ChatCompletionRequest) -> ToolPlan:
-    """Check ``tools``/``tool_choice`` and decide whether to parse the output.
-
-    ``tool_choice`` absent means "auto" with tools and "none" without (OpenAI). A named
-    function is accepted and parsed like "auto": the output is not constrained to it."""
-    tools = request.tools or []
-    choice = request.tool_choice
-    if choice is None:
-        choice = "auto" if tools else "none"
-    if isinstance(choice, dict):
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if choice.get("type") != "function" or not isinstance(name, str):
-            raise bad_request(
-                'a named tool_choice must be {"type": "function", "function": {"name": ...}}',
-                "tool_choice",
-            )
-        if name not in _tool_names(tools):
-            raise bad_request(
-                f"tool_choice names the function {clip(name)!r}, which is not in tools "
-                f"({clip(', '.join(_tool_names(tools))) or 'none given'})",
-                "tool_choice",
-            )
-    elif choice == "required":
-        raise bad_request(
-            "tool_choice 'required' is not supported yet (no constrained decoding); use "
-            "'auto' or name the function",
-            "tool_choice",
-        )
-    elif choice not in ("auto", "none"):
-        raise bad_request(
-            f"tool_choice must be 'auto', 'none' or a named function, got {clip(choice)!r}",
-            "tool_choice",
-        )
-    if choice == "none":
-        return ToolPlan()
-    if not tools:
-        raise bad_request("tool_choice asks for tool calls but no tools were given", "tools")
-    if ctx.tool_call_parser is None:
-        raise bad_request(
-            "this server does not parse tool calls; start it with --tool-call-parser hermes, "
-            "or send tool_choice 'none' to get the model's raw text",
-            "tools",
-        )
-    max_calls = 1 if request.parallel_tool_calls is False else None
-    return ToolPlan(ctx.tool_call_parser, max_calls)
 
 
 def chat_prompt_token_ids(
@@ -165,6 +91,23 @@ def chat_prompt_token_ids(
 ) -> list[int]:
     """The prompt token ids of a conversation. Raises OpenAIError(400) when the template
     refuses it."""
+    text = render_chat_prompt(
+        ctx, messages, add_generation_prompt, continue_final_message, tools, chat_template_kwargs
+    )
+    # The template writes the special tokens (BOS included) itself.
+    return ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def render_chat_prompt(
+    ctx: ServingContext,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text of a conversation. Raises OpenAIError(400) when the template
+    refuses it."""
     try:
         text = ctx.tokenizer.render_chat(
             [message.to_template_dict() for message in messages],
@@ -174,22 +117,54 @@ def chat_prompt_token_ids(
             chat_template_kwargs=chat_template_kwargs,
         )
     except ChatTemplateError as e:
-        raise bad_request(str(e), "messages") from None
-    # The template writes the special tokens (BOS included) itself.
-    return ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        raise bad_request(str(e), "tools" if "render `tools`" in str(e) else "messages") from None
+    return text
+
+
+def _output_format(
+    ctx: ServingContext, request: ChatCompletionRequest, tool_plan: ToolPlan, prompt_text: str
+) -> StructuredOutputSpec | None:
+    """The structured output of the request: its response_format (or guided_* fields), or
+    the schema of a forced tool_choice; with a reasoning parser, enforced only after the
+    thinking ends. Raises OpenAIError(400)."""
+    spec = structured_output_spec(request)  # 400 when malformed
+    if tool_plan.forced:
+        if spec is not None:
+            raise bad_request(
+                "tool_choice 'required' or a named function already fixes the output format; "
+                "drop response_format (or the guided_* field)",
+                "tool_choice",
+            )
+        spec = StructuredOutputSpec(
+            StructuredOutputKind.JSON_SCHEMA, tool_plan.forced_schema_json()
+        )
+    if spec is None or ctx.reasoning_parser is None:
+        return spec
+    if not expects_thinking(ctx.reasoning_parser, prompt_text):
+        return spec
+    end_id = ctx.tokenizer.tokenizer.token_to_id(THINK_END)
+    if end_id is None:
+        raise bad_request(
+            f"this model's tokenizer has no single {THINK_END} token, so an output format "
+            "cannot start after the thinking; drop the format or --reasoning-parser",
+            "response_format",
+        )
+    spec.start_after_token_id = end_id
+    return spec
 
 
 def build_chat_jobs(
-    ctx: ServingContext, request: ChatCompletionRequest, response_id: str
-) -> list[ChoiceJob]:
-    """Validate the request and turn it into one engine request per choice."""
+    ctx: ServingContext, request: ChatCompletionRequest, response_id: str, tool_plan: ToolPlan
+) -> tuple[list[ChoiceJob], str]:
+    """Validate the request and turn it into one engine request per choice; also the
+    rendered prompt text."""
     _check_supported(request)
     check_token_ids(request.stop_token_ids or [], ctx.vocab_size, "stop_token_ids")
     logit_bias = parse_logit_bias(request.logit_bias, ctx.vocab_size)
     # the template renders every message's content: too many characters cannot fit
     num_chars = sum(message.num_content_chars() for message in request.messages)
     check_prompt_chars(num_chars, ctx.tokenizer.max_chars_per_token, ctx.max_model_len, "messages")
-    prompt_ids = chat_prompt_token_ids(
+    prompt_text = render_chat_prompt(
         ctx,
         request.messages,
         request.add_generation_prompt,
@@ -197,6 +172,8 @@ def build_chat_jobs(
         request.tools,
         request.chat_template_kwargs,
     )
+    # The template writes the special tokens (BOS included) itself.
+    prompt_ids = ctx.tokenizer.encode(prompt_text, add_special_tokens=False)
     requested = request.requested_max_tokens()
     field = (
         "max_completion_tokens"
@@ -210,7 +187,8 @@ def build_chat_jobs(
         requested, ctx.default_max_tokens, len(prompt_ids), ctx.max_model_len
     )
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return [
+    structured_output = _output_format(ctx, request, tool_plan, prompt_text)
+    jobs = [
         ChoiceJob(
             index=i,
             request_id=f"{response_id}-{i}",
@@ -228,6 +206,9 @@ def build_chat_jobs(
         )
         for i in range(request.n)
     ]
+    for job in jobs:
+        job.sampling_params.structured_output = structured_output
+    return jobs, prompt_text
 
 
 async def create_chat_completion(
@@ -237,36 +218,24 @@ async def create_chat_completion(
     ctx.check_model(request.model)
     ctx.check_num_choices(1, request.n)
     response_id = new_id("chatcmpl")
-    tool_plan = plan_tools(ctx, request)
-    jobs = await ctx.off_loop(len(body), build_chat_jobs, ctx, request, response_id)
+    tool_plan = plan_tools(request, ctx.tool_call_parser, can_enforce=True)
+    jobs, prompt_text = await ctx.off_loop(
+        len(body), build_chat_jobs, ctx, request, response_id, tool_plan
+    )
+
+    def new_output() -> ChoiceOutput:
+        return ChoiceOutput(tool_plan, ctx.reasoning_parser, prompt_text)
+
     if request.stream:
         return StreamingResponse(
-            _stream(ctx, request, jobs, response_id, tool_plan),
+            _stream(ctx, request, jobs, response_id, new_output),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
     result = await unless_disconnected(
-        _complete(ctx, request, jobs, response_id, tool_plan), is_disconnected
+        _complete(ctx, request, jobs, response_id, new_output), is_disconnected
     )
     return json_response(result)
-
-
-def _message(text: str, finish_reason: str, tool_plan: ToolPlan) -> tuple[dict[str, Any], str]:
-    """The assistant message of a finished choice, and its finish_reason ("tool_calls"
-    when the model stopped after calling tools)."""
-    parser = tool_plan.new_parser()
-    if parser is None:
-        return {"role": "assistant", "content": text}, finish_reason
-    parsed = parser.push(text)
-    parsed += parser.finish()
-    if not parsed.tool_calls:
-        return {"role": "assistant", "content": parsed.content}, finish_reason
-    message = {
-        "role": "assistant",
-        "content": parsed.content or None,
-        "tool_calls": [call.to_dict() for call in parsed.tool_calls],
-    }
-    return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 async def _complete(
@@ -274,7 +243,7 @@ async def _complete(
     request: ChatCompletionRequest,
     jobs: list[ChoiceJob],
     response_id: str,
-    tool_plan: ToolPlan,
+    new_output: Callable[[], ChoiceOutput],
 ) -> dict[str, Any]:
     usage = UsageCounter(len(jobs[0].prompt_token_ids))
     async with ChoiceMerger(ctx.engine, ctx.tokenizer, jobs, ctx.drain) as merger:
@@ -285,10 +254,9 @@ async def _complete(
         for delta in deltas:
             usage.add(delta)
         entries = [entry for delta in deltas for entry in delta.logprobs]
-        message, finish_reason = _message(
+        message, finish_reason = new_output().message(
             "".join(d.text for d in deltas),
             deltas[-1].finish_reason or "abort" if deltas else "abort",
-            tool_plan,
         )
         choices.append(
             {
@@ -308,44 +276,12 @@ async def _complete(
     }
 
 
-class _StreamedChoice:
-    """One choice of a stream: its tool parser and how many tool calls it has sent."""
-
-    def __init__(self, tool_plan: ToolPlan) -> None:
-        self.parser = tool_plan.new_parser()
-        self.num_tool_calls = 0
-
-    def deltas(self, item: ChoiceDelta) -> tuple[list[dict[str, Any]], str | None]:
-        """The ``delta`` objects for ``item`` (possibly none) and its finish_reason."""
-        if self.parser is None:
-            return ([{"content": item.text}] if item.text else []), item.finish_reason
-        parsed: ParsedText = self.parser.push(item.text)
-        if item.finish_reason is not None:
-            parsed += self.parser.finish()
-        out: list[dict[str, Any]] = [{"content": parsed.content}] if parsed.content else []
-        for call in parsed.tool_calls:
-            index = self.num_tool_calls
-            self.num_tool_calls += 1
-            header = {
-                "index": index,
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.name, "arguments": ""},
-            }
-            arguments = {"index": index, "function": {"arguments": call.arguments}}
-            out += [{"tool_calls": [header]}, {"tool_calls": [arguments]}]
-        finish = item.finish_reason
-        if finish == "stop" and self.num_tool_calls:
-            finish = "tool_calls"
-        return out, finish
-
-
 async def _stream(
     ctx: ServingContext,
     request: ChatCompletionRequest,
     jobs: list[ChoiceJob],
     response_id: str,
-    tool_plan: ToolPlan,
+    new_output: Callable[[], ChoiceOutput],
 ) -> AsyncIterator[bytes]:
     created = now_s()
 
@@ -362,7 +298,7 @@ async def _stream(
         )
 
     usage = UsageCounter(len(jobs[0].prompt_token_ids))
-    streamed = {job.index: _StreamedChoice(tool_plan) for job in jobs}
+    streamed = {job.index: new_output() for job in jobs}
     try:
         async with ChoiceMerger(ctx.engine, ctx.tokenizer, jobs, ctx.drain) as merger:
             for job in jobs:
@@ -375,7 +311,7 @@ async def _stream(
                     yield SSE_KEEPALIVE
                     continue
                 usage.add(item)
-                deltas, finish_reason = streamed[item.index].deltas(item)
+                deltas, finish_reason = streamed[item.index].deltas(item.text, item.finish_reason)
                 if not deltas and finish_reason is None and not item.logprobs:
                     continue
                 logprobs = chat_logprobs(ctx.tokenizer, item.logprobs) if request.logprobs else None

@@ -41,6 +41,7 @@ from vtllm.frontend.sse import (
     sse_error,
     sse_event,
 )
+from vtllm.frontend.structured_output import structured_output_spec
 
 
 def _check_supported(ctx: ServingContext, request: CompletionRequest) -> None:
@@ -87,6 +88,7 @@ def build_completion_jobs(
                 logprobs,
                 logit_bias,
             )
+            params.structured_output = structured_output_spec(request)  # 400 if malformed
             jobs.append(
                 ChoiceJob(
                     index,
