@@ -44,6 +44,7 @@ import vtllm
 from vtllm import envs
 from vtllm.config import VtllmConfig
 from vtllm.frontend.body_guard import check_body
+from vtllm.frontend.chat_template import detect_tool_parser
 from vtllm.frontend.drain import Drain, DrainingServer, DrainMiddleware
 from vtllm.frontend.generation import GenerationError, error_for
 from vtllm.frontend.health import EngineHealth
@@ -151,7 +152,7 @@ def build_context(
     ready = engine_client.ready
     if ready is None:
         raise RuntimeError("build_app needs a connected engine client (call connect first)")
-    tokenizer = ModelTokenizer.from_dir(tokenizer_dir or model_dir)
+    tokenizer = ModelTokenizer.from_dir(tokenizer_dir or model_dir, config.frontend.chat_template)
     unknown_eos = [i for i in tokenizer.eos_token_ids if i not in ready.eos_token_ids]
     if unknown_eos:  # the engine core decides EOS; say so if it disagrees with the tokenizer
         logger.warning(
@@ -170,7 +171,10 @@ def build_context(
         vocab_size=ready.vocab_size or tokenizer.vocab_size,
         default_max_tokens=config.frontend.default_max_tokens or default_max_tokens,
         model_aliases=aliases,
-        tool_call_parser=config.frontend.tool_call_parser,
+        # --tool-call-parser, else the format the chat template teaches (if known)
+        tool_call_parser=config.frontend.tool_call_parser
+        or detect_tool_parser(tokenizer.chat_template),
+        reasoning_parser=config.frontend.reasoning_parser,
         max_choices_per_request=config.frontend.max_choices_per_request,
     )
 
@@ -307,7 +311,7 @@ def build_app(
         Route("/tokenize", endpoint(tokenize), methods=["POST"]),
         Route("/detokenize", endpoint(detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
-        Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's probe (vLLM's too)
+        Route("/ping", health, methods=["GET"]),  # SageMaker's probe (vLLM's too)
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),

@@ -148,6 +148,24 @@ def openapi_document(version: str, api_key_required: bool, vocab_size: int) -> d
                 **_security(protected),
             }
         },
+        "/v1/models/{model_id}": {
+            "get": {
+                "summary": "The served model's card (the SDK's models.retrieve); 404 for another id",
+                "parameters": [
+                    {
+                        "name": "model_id",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string"},
+                    }
+                ],
+                "responses": {
+                    "200": {"description": "Model card", "content": _json(_ref(rt.ModelCard))},
+                    **_errors(401, 404),
+                },
+                **_security(protected),
+            }
+        },
         "/tokenize": {
             "post": {
                 "summary": "Token ids of a prompt or of a rendered conversation",
@@ -181,6 +199,12 @@ def openapi_document(version: str, api_key_required: bool, vocab_size: int) -> d
         "/health": {
             "get": {
                 "summary": "200 while the engine core is alive",
+                "responses": {"200": {"description": "Alive (empty body)"}, **_errors(503)},
+            }
+        },
+        "/ping": {
+            "get": {
+                "summary": "Same as /health (SageMaker's probe, as vLLM serves it)",
                 "responses": {"200": {"description": "Alive (empty body)"}, **_errors(503)},
             }
         },
