@@ -12,6 +12,7 @@ import pytest
 from tests.frontend.conftest import CHATML_TEMPLATE, parse_sse, write_model_dir
 from vtllm.config import VtllmConfig
 from vtllm.frontend.tokenizer import ModelTokenizer
+from vtllm.protocol.messages import StructuredOutputKind
 
 CHAT = "/v1/chat/completions"
 TOOLS_TEMPLATE = (
@@ -125,20 +126,51 @@ async def test_tool_choice_none_returns_raw_text(serve, tools_model_dir: Path) -
     assert "get_weather" in prompt
 
 
-async def test_named_tool_choice_and_parallel_false(serve, tools_model_dir: Path) -> None:
-    served = await _serve(serve, tools_model_dir)
+async def test_named_tool_choice_is_enforced_by_a_schema(serve, tools_model_dir: Path) -> None:
+    # the fake engine plays a model that followed the schema: the arguments object
+    served = await _serve(serve, tools_model_dir, text='{"city": "Paris"}')
     named = {"type": "function", "function": {"name": "get_weather"}}
-    r = await served.http.post(
-        CHAT,
-        json={
-            "messages": MESSAGES,
-            "tools": TOOLS,
-            "tool_choice": named,
-            "parallel_tool_calls": False,
-        },
-    )
-    message = r.json()["choices"][0]["message"]
-    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": named}
+    r = await served.http.post(CHAT, json=body)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in choice["message"]["tool_calls"]
+    ] == [("get_weather", {"city": "Paris"})]
+    spec = served.fake.added[-1].sampling_params.structured_output
+    assert spec.kind == StructuredOutputKind.JSON_SCHEMA
+    assert json.loads(spec.spec) == TOOLS[0]["function"]["parameters"]
+    # streamed: the call arrives as the two deltas
+    raw = await served.http.post(CHAT, json={**body, "stream": True})
+    chunks = [json.loads(p) for p in parse_sse(raw.text)[:-1]]
+    tool_deltas = [t for c in chunks for t in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert [t["function"].get("name") for t in tool_deltas] == ["get_weather", None]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_required_tool_choice_is_enforced_by_a_schema(serve, tools_model_dir: Path) -> None:
+    output = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    served = await _serve(serve, tools_model_dir, text=output, parser=None)
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}
+    r = await served.http.post(CHAT, json=body)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    calls = [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in choice["message"]["tool_calls"]
+    ]
+    assert calls == [("get_time", {}), ("get_weather", {"city": "Oslo"})]
+    schema = json.loads(served.fake.added[-1].sampling_params.structured_output.spec)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    names = [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    # parallel_tool_calls: false → at most one item in the schema
+    r = await served.http.post(CHAT, json={**body, "parallel_tool_calls": False})
+    assert json.loads(served.fake.added[-1].sampling_params.structured_output.spec)["maxItems"] == 1
+    # a forced choice and a response_format cannot both fix the output
+    r = await served.http.post(CHAT, json={**body, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 
 
 async def test_invalid_tool_json_is_content(serve, tools_model_dir: Path) -> None:
@@ -157,7 +189,8 @@ async def test_invalid_tool_json_is_content(serve, tools_model_dir: Path) -> Non
 async def test_tool_choice_refusals(serve, tools_model_dir: Path) -> None:
     served = await _serve(serve, tools_model_dir)
     cases = [
-        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "not supported yet"),
+        ({"tool_choice": "required"}, "tools", "needs tools"),
+        ({"tools": [{"type": "function"}]}, "tools[0]", "each tool must be"),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "tool_choice",

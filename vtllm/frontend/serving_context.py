@@ -39,7 +39,8 @@ class ServingContext:
     vocab_size: int
     default_max_tokens: int | None = None
     model_aliases: tuple[str, ...] = ()
-    tool_call_parser: str | None = None  # --tool-call-parser
+    tool_call_parser: str | None = None  # --tool-call-parser, or detected from the template
+    reasoning_parser: str | None = None  # --reasoning-parser
     max_choices_per_request: int = 256  # --max-choices-per-request
     drain: Drain = field(default_factory=Drain)  # graceful stop (drain.py)
 

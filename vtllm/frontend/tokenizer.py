@@ -4,13 +4,16 @@ Reads ``tokenizer.json`` (HF ``tokenizers``), ``tokenizer_config.json`` (chat te
 bos/eos tokens, ``add_bos_token``), an optional ``chat_template.jinja`` and
 ``generation_config.json`` (extra eos ids). Templates render in a Jinja2 sandbox with the
 same globals and filters as ``transformers`` (``raise_exception``, ``tojson``,
-``strftime_now``), so a model's own template renders as it does there.
+``strftime_now``), so a model's own template renders as it does there. Which template is
+used (``--chat-template``, a shipped replacement) and how messages are prepared for it is
+``chat_template.py``.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 from collections.abc import Sequence
 from functools import lru_cache
@@ -21,6 +24,15 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
+
+from vtllm.frontend.chat_template import (
+    TemplateFeatures,
+    load_chat_template,
+    shipped_replacement,
+    template_messages,
+)
+
+logger = logging.getLogger(__name__)
 
 
 class ChatTemplateError(ValueError):
@@ -112,9 +124,13 @@ class ModelTokenizer:
         eos_token: str | None = None,
         add_bos_token: bool | None = None,
         generation_eos_token_ids: Sequence[int] = (),
+        chat_template_origin: str = "the model's",
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        # where the template came from, for error messages
+        self.chat_template_origin = chat_template_origin
+        self.template_features = TemplateFeatures.of(chat_template or "")
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.add_bos_token = add_bos_token
@@ -134,8 +150,12 @@ class ModelTokenizer:
         self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
 
     @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike[str]) -> ModelTokenizer:
-        """Load from a HF-style dir. Raises FileNotFoundError naming the missing file."""
+    def from_dir(
+        cls, model_dir: str | os.PathLike[str], chat_template: str | None = None
+    ) -> ModelTokenizer:
+        """Load from a HF-style dir. ``chat_template`` (``--chat-template``: a file or the
+        template text) replaces the model's own. Raises FileNotFoundError naming the
+        missing file, ValueError for a bad ``chat_template``."""
         path = Path(model_dir)
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -148,9 +168,21 @@ class ModelTokenizer:
         gen_eos = generation.get("eos_token_id")
         gen_eos_ids = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
         add_bos = config.get("add_bos_token")
+        template, origin = _pick_chat_template(path, config), "the model's"
+        if chat_template is not None:
+            template, origin = load_chat_template(chat_template), "--chat-template"
+        elif template is not None and (replacement := shipped_replacement(template)):
+            name, template = replacement
+            origin = f"vtllm's {name}"
+            logger.info(
+                "the model's chat template does not render tools; using vtllm's %s instead "
+                "(the same prompt without tools; --chat-template overrides)",
+                name,
+            )
         return cls(
             Tokenizer.from_file(str(tokenizer_file)),
-            chat_template=_pick_chat_template(path, config),
+            chat_template=template,
+            chat_template_origin=origin,
             bos_token=_token_content(config.get("bos_token")),
             eos_token=_token_content(config.get("eos_token")),
             add_bos_token=add_bos if isinstance(add_bos, bool) else None,
@@ -204,6 +236,8 @@ class ModelTokenizer:
             raise ChatTemplateError(
                 "continue_final_message and add_generation_prompt cannot both be true"
             )
+        self._check_renders_tools(messages, tools)
+        messages = template_messages(messages)
         context: dict[str, Any] = dict(chat_template_kwargs or {})
         context.update(
             messages=messages,
@@ -224,6 +258,24 @@ class ModelTokenizer:
         if continue_final_message:
             text = _cut_after_final_message(text, messages)
         return text
+
+    def _check_renders_tools(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> None:
+        """Refuse tools or tool calls the template would silently leave out."""
+        features = self.template_features
+        if tools and not features.renders_tools:
+            missing = "`tools`"
+        elif not features.renders_tool_calls and any(m.get("tool_calls") for m in messages):
+            missing = "assistant `tool_calls`"
+        else:
+            return
+        raise ChatTemplateError(
+            f"the chat template ({self.chat_template_origin}) does not render {missing}, so "
+            "the model would never see them; start the server with --chat-template FILE (a "
+            "template that renders tools, e.g. one of vtllm/frontend/chat_templates/), or "
+            "send the request without them"
+        )
 
 
 def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:

@@ -102,7 +102,7 @@ def tool_call_from_obj(obj: object, name: str | None = None) -> ToolCall | None:
     return ToolCall(new_tool_call_id(), obj["name"], text)
 
 
-def _partial_prefix_len(text: str, tag: str) -> int:
+def partial_prefix_len(text: str, tag: str) -> int:
     """Length of the longest tail of ``text`` that is a proper prefix of ``tag``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -142,7 +142,7 @@ class HermesToolParser:
                 continue
             start_idx = self._buffer.find(self.START)
             if start_idx < 0:
-                keep = _partial_prefix_len(self._buffer, self.START)
+                keep = partial_prefix_len(self._buffer, self.START)
                 out.content += self._emit_outside(len(self._buffer) - keep)
                 return out
             out.content += self._emit_outside(start_idx)
@@ -266,7 +266,7 @@ class _LeadingJsonToolParser:
         if final:
             text, self._buffer = self._buffer, ""
             return text
-        keep = max((_partial_prefix_len(self._buffer, m) for m in self.MARKERS), default=0)
+        keep = max((partial_prefix_len(self._buffer, m) for m in self.MARKERS), default=0)
         # trailing whitespace waits too: it is dropped if a call follows
         text = self._buffer[: len(self._buffer) - keep].rstrip()
         self._buffer = self._buffer[len(text) :]
@@ -363,7 +363,7 @@ class MistralToolParser(_LeadingJsonToolParser):
         args_idx = body.find(self.ARGS)
         if args_idx < 0:
             # a function name so far, maybe followed by the start of [ARGS]
-            name_so_far = body[: len(body) - _partial_prefix_len(body, self.ARGS)]
+            name_so_far = body[: len(body) - partial_prefix_len(body, self.ARGS)]
             plausible = re.fullmatch(r"[A-Za-z0-9_.\-]*", name_so_far) and len(body) < 256
             return None, (-1 if plausible else 0)
         name = body[:args_idx].strip()
