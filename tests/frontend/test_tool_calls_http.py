@@ -215,3 +215,48 @@ async def test_tools_without_parser_is_400(serve, tools_model_dir: Path) -> None
         CHAT, json={"messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"}
     )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == OUTPUT
+
+
+async def test_second_turn_of_a_tool_loop(serve, tmp_path: Path) -> None:
+    """The SDK sends the call back (content null, arguments a JSON string) with the tool's
+    result: the Qwen3-style template renders both; the parser is detected from it."""
+    template = (Path(__file__).parent / "chat_templates" / "qwen3_style.jinja").read_text()
+    model_dir = write_model_dir(tmp_path / "qwen-style", chat_template=template)
+    served = await _serve(serve, model_dir, parser=None)
+    client = openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="none", max_retries=0)
+    first = await asyncio.to_thread(
+        client.chat.completions.create, model="fake-model", messages=MESSAGES, tools=TOOLS
+    )
+    assistant = first.choices[0].message
+    assert _calls(assistant.tool_calls) == EXPECTED_CALLS
+    messages = [
+        *MESSAGES,
+        assistant.model_dump(exclude_none=True),
+        *[
+            {"role": "tool", "tool_call_id": call.id, "content": f"result of {call.function.name}"}
+            for call in assistant.tool_calls
+        ],
+    ]
+    second = await asyncio.to_thread(
+        client.chat.completions.create, model="fake-model", messages=messages, tools=TOOLS
+    )
+    assert second.choices[0].finish_reason == "tool_calls"
+    prompt = ModelTokenizer.from_dir(model_dir).decode(
+        served.fake.added[-1].prompt_token_ids, skip_special_tokens=False
+    )
+    assert (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call>"
+    ) in prompt
+    assert (
+        "<|im_start|>user\n<tool_response>\nresult of get_weather\n</tool_response>\n"
+        "<tool_response>\nresult of get_time\n</tool_response><|im_end|>"
+    ) in prompt
+
+
+async def test_template_without_tools_is_a_400_naming_the_flag(serve, model_dir: Path) -> None:
+    served = await _serve(serve, model_dir)  # conftest's ChatML template ignores tools
+    r = await served.http.post(CHAT, json={"messages": MESSAGES, "tools": TOOLS})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "tools"
+    assert "does not render `tools`" in error["message"] and "--chat-template" in error["message"]
