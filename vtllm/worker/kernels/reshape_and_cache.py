@@ -8,8 +8,8 @@ Slot ``s`` is block ``s // block_size``, offset ``s % block_size``; a request's 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from vtllm.worker.kernels._triton import tl, triton
 
 
 @triton.jit

@@ -11,8 +11,8 @@ Rounding follows the Hugging Face models the reference layers match:
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from vtllm.worker.kernels._triton import tl, triton
 
 
 @triton.jit

@@ -12,8 +12,8 @@ with ``r = rotary_dim <= head_dim`` (build it once with ``layers.rotary.cos_sin_
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from vtllm.worker.kernels._triton import tl, triton
 
 
 @triton.jit

@@ -1,0 +1,52 @@
+"""Triton, or a stand-in when it is not installed.
+
+Triton comes with torch on CUDA/ROCm hosts; a CPU install leaves it out (it is a test
+extra there, for the interpreter-mode kernel tests). The kernel modules import
+``triton`` and ``tl`` from here, so that they import on CPU without it: their torch
+references (``*_ref``), which CPU runs, need no Triton. Launching a kernel without
+Triton raises ImportError naming the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # a CPU install
+    HAVE_TRITON = False
+
+    _MISSING = (
+        "Triton is not installed: GPU kernels need it (it comes with torch's CUDA and ROCm "
+        "builds; on CPU: pip install triton, or VT_ATTENTION_BACKEND=torch)"
+    )
+
+    class _Unavailable:
+        """Any attribute of the stand-in: usable in annotations, fails when used."""
+
+        def __init__(self, name: str) -> None:
+            self._name = name
+
+        def __getattr__(self, name: str) -> _Unavailable:
+            return _Unavailable(f"{self._name}.{name}")
+
+        def __getitem__(self, key: Any) -> Any:
+            raise ImportError(f"{self._name}: {_MISSING}")
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            raise ImportError(f"{self._name}: {_MISSING}")
+
+    class _TritonStandIn(_Unavailable):
+        def jit(self, fn: Any = None, **kwargs: Any) -> Any:
+            """``@triton.jit`` and ``@triton.jit(...)``: the kernel, unlaunchable."""
+            if fn is None:
+                return lambda f: _Unavailable(f"kernel {f.__name__}")
+            return _Unavailable(f"kernel {fn.__name__}")
+
+    triton = _TritonStandIn("triton")  # type: ignore[assignment]
+    tl = _Unavailable("triton.language")  # type: ignore[assignment]
+
+__all__ = ["HAVE_TRITON", "tl", "triton"]
