@@ -148,3 +148,15 @@ def test_usage_vllm_flag_table_matches_parser(capsys):
         else:
             raise AssertionError(f"status {status!r} is not same / renamed / not supported")
     assert set(UNSUPPORTED) <= seen, "every refused vLLM flag is in the table"
+
+
+def test_bench_reports_decode_graphs_only_where_workers_capture_them():
+    from vtllm.bench import decode_graphs_used
+    from vtllm.worker.platform import detect_platform
+
+    cpu = detect_platform(0)
+    assert not cpu.supports_graphs  # this suite runs on CPU
+    assert decode_graphs_used(False, cpu.supports_graphs, "auto") is False
+    assert decode_graphs_used(False, True, "auto") is True
+    assert decode_graphs_used(True, True, "triton") is False  # --enforce-eager
+    assert decode_graphs_used(False, True, "torch") is False  # VT_ATTENTION_BACKEND=torch

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from vtllm import envs
 from vtllm.config import VtllmConfig
 from vtllm.protocol import messages as m
 
@@ -196,6 +197,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-roofline", action="store_true", help="skip the bandwidth measurement")
 
 
+def decode_graphs_used(enforce_eager: bool, supports_graphs: bool, attention_backend: str) -> bool:
+    """Whether the workers capture decode graphs (worker.py ``_use_graphs``): not with
+    --enforce-eager, only on a GPU, and only over the Triton attention (``auto`` is
+    Triton on a GPU). On CPU: never."""
+    return not enforce_eager and supports_graphs and attention_backend in ("auto", "triton")
+
+
 def run_bench(kind: str, args: argparse.Namespace, config: VtllmConfig) -> int:
     from vtllm.log import configure_logging
 
@@ -204,9 +212,7 @@ def run_bench(kind: str, args: argparse.Namespace, config: VtllmConfig) -> int:
         model_dir = str(write_shape_dir(args.model_shape))
         config.model.load_format = "dummy"
         config.model.served_model_name = config.model.served_model_name or args.model_shape
-    elif config.model.model:
-        model_dir = config.model.model
-    else:
+    else:  # a directory, a .gguf, a Hugging Face name, or the embedded model
         from vtllm.launch import resolve_model
 
         model_dir = resolve_model(config)
@@ -216,7 +222,11 @@ def run_bench(kind: str, args: argparse.Namespace, config: VtllmConfig) -> int:
     try:
         from vtllm.worker.platform import detect_platform
 
-        torch_dtype = detect_platform(0).resolve_dtype(config.model.dtype)
+        platform = detect_platform(0)
+        torch_dtype = platform.resolve_dtype(config.model.dtype)
+        graphs = decode_graphs_used(
+            config.model.enforce_eager, platform.supports_graphs, envs.VT_ATTENTION_BACKEND
+        )
         dtype = str(torch_dtype).removeprefix("torch.")
         weight_bytes, kv_per_token = model_bytes(hf, torch_dtype.itemsize)
         vocab = client.ready.vocab_size
@@ -240,7 +250,7 @@ def run_bench(kind: str, args: argparse.Namespace, config: VtllmConfig) -> int:
                 kind=one_kind,
                 model=args.model_shape or model_dir,
                 dtype=dtype,
-                decode_graphs=not config.model.enforce_eager,
+                decode_graphs=graphs,
                 weight_gib=round(weight_bytes / 1024**3, 3),
                 copy_bandwidth_gb_s=round(bandwidth / 1e9, 1) if bandwidth else None,
             )
