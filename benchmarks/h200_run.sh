@@ -27,7 +27,7 @@ for phase in "$@"; do
       timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -k graphs \
         tests/worker/test_gpu_worker.py >> "$OUT/gpu_tests.txt" 2>&1 ;;
     gpu-tests)
-      timeout 300 python3 -m pytest -m gpu -q -rP -p no:cacheprovider --durations=15 tests/worker tests/test_boundaries.py \
+      timeout 420 python3 -m pytest -m gpu -q -rP -p no:cacheprovider --durations=15 tests/worker tests/test_boundaries.py \
         >> "$OUT/gpu_tests.txt" 2>&1 ;;
     bench-*)
       shape=${phase#bench-}
