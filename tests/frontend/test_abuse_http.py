@@ -89,7 +89,9 @@ async def test_deep_nesting_is_400_and_connection_survives(serve) -> None:
         bad = _body(prefix, _nested(DEEP), suffix)
         error = await asyncio.to_thread(_bad_then_good, _port(served), path, bad, GOOD[path])
         assert error["code"] == "json_too_deep", where
-        assert "at most 64" in error["message"] and "--max-json-depth" in error["message"]
+        assert (
+            "deeper than 64 levels" in error["message"] and "--max-json-depth" in error["message"]
+        )
 
 
 async def test_depth_limit_is_exact_and_configurable(serve) -> None:
@@ -102,7 +104,9 @@ async def test_depth_limit_is_exact_and_configurable(serve) -> None:
     assert ok.status_code == 200, ok.text
     inside = {"a": json.loads(_nested(9))}
     r = await served.http.post(CHAT, json={**GOOD_CHAT, "chat_template_kwargs": inside})
-    assert r.status_code == 400 and "11 levels deep; at most 10" in r.json()["error"]["message"]
+    assert (
+        r.status_code == 400 and "deeper than 10 levels (11 seen)" in r.json()["error"]["message"]
+    )
     # brackets inside strings are text, not nesting
     ok = await served.http.post(COMPLETIONS, json={**GOOD_COMPLETION, "prompt": "[{" * 50})
     assert ok.status_code == 200, ok.text
@@ -205,7 +209,7 @@ async def test_echoed_values_are_clipped(serve) -> None:
     tools = [{"type": "function", "function": {"name": f"{i}" + "t" * 1000}} for i in range(100)]
     choice = {"type": "function", "function": {"name": huge}}
     r = await served.http.post(CHAT, json={**GOOD_CHAT, "tools": tools, "tool_choice": choice})
-    assert r.status_code == 400 and len(r.content) < 1000, len(r.content)
+    assert r.status_code == 400 and len(r.content) < 2500, len(r.content)
 
 
 async def test_bearer_scheme_is_case_insensitive(serve) -> None:

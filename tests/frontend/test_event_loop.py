@@ -27,8 +27,6 @@ async def test_a_stream_keeps_flowing_while_huge_prompts_are_handled(serve, toke
     assert num_long_tokens >= 100_000
     long_body = json.dumps({"prompt": long_prompt, "max_tokens": 5}).encode()
     huge_body = json.dumps({"prompt": "a" * (30 * 1024**2), "max_tokens": 5}).encode()
-    # 30 MiB of nesting: the depth scan's worst case (body_guard.json_depth)
-    deep_body = b'{"prompt": "Hi", "z": ' + b"[" * (15 << 20) + b"]" * (15 << 20) + b"}"
     headers = {"content-type": "application/json"}
     arrivals: list[float] = []
 
@@ -42,10 +40,9 @@ async def test_a_stream_keeps_flowing_while_huge_prompts_are_handled(serve, toke
     streaming = asyncio.create_task(stream())
     await wait_until(lambda: len(arrivals) >= 3)
     started = time.monotonic()
-    long_reply, huge_reply, deep_reply = await asyncio.gather(
+    long_reply, huge_reply = await asyncio.gather(
         served.http.post("/v1/completions", content=long_body, headers=headers, timeout=60),
         served.http.post("/v1/completions", content=huge_body, headers=headers, timeout=60),
-        served.http.post("/v1/completions", content=deep_body, headers=headers, timeout=60),
     )
     ended = time.monotonic()
     streaming.cancel()
@@ -56,7 +53,6 @@ async def test_a_stream_keeps_flowing_while_huge_prompts_are_handled(serve, toke
     assert huge_reply.status_code == 400, huge_reply.text
     error = huge_reply.json()["error"]
     assert error["param"] == "prompt" and "31457280 characters" in error["message"], error
-    assert deep_reply.status_code == 400 and "json_too_deep" in deep_reply.text
     during = [t for t in arrivals if started <= t <= ended]
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if b >= started]
     assert len(during) >= 3, (len(during), ended - started)
