@@ -6,6 +6,8 @@ logged as unneeded."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -44,6 +46,9 @@ def test_vllm_command_line_by_hub_name_offline(dropin_server):
         httpx.get(f"{dropin_server.url}/metrics", timeout=5)
     log = dropin_server.log()
     assert "--trust-remote-code is not needed" in log
+    # start-up progress: each slow phase announced, the loading with its duration
+    assert "loading " in log and "allocating the KV cache (" in log
+    assert re.search(r"loaded \S+ \(\S+\) in [0-9.]+s", log)
     assert '"POST /v1/completions HTTP/1.1" 200' in log  # the access log is on
     for probe in ("GET /health ", "GET /ping ", "GET /metrics "):
         assert probe not in log, probe  # probes never reach it

@@ -104,6 +104,7 @@ def _serve(
     dtype = platform.resolve_dtype(config.model.dtype)
     hf_config = load_hf_config(model_dir)
     started = time.monotonic()
+    logger.info("loading %s (%s) ...", model_dir, dtype)
     runner = ModelRunner.from_model_dir(
         model_dir, platform.device, dtype, config.model.seed, tp, config.model.load_format
     )
@@ -113,8 +114,10 @@ def _serve(
     facts = model_facts(model_dir, hf_config, name, attn.num_kv_heads, attn.head_dim, dtype)
     use_graphs = _use_graphs(config, platform, runner)
     heartbeat.phase = "profiling memory"
+    started = time.monotonic()
     max_position = facts.max_position_embeddings
     usable = _usable_kv_bytes(config, platform, runner, max_position, use_graphs, at_start)
+    _log_phase("profiled memory", started)
     socket.send(codec.encode(m.WorkerReport(rank=rank, facts=facts, usable_kv_bytes=usable)))
 
     decoder = codec.engine_to_worker_decoder()
@@ -123,20 +126,27 @@ def _serve(
     if isinstance(init, m.Shutdown):
         return
     heartbeat.phase = "allocating the KV cache and warming up"
+    started = time.monotonic()
+    logger.info("allocating the KV cache (%d blocks) and warming up ...", init.num_blocks)
     runner.init_kv_cache(init.num_blocks, init.block_size)
+    _log_phase("allocated the KV cache", started)
+    started = time.monotonic()
     runner.dummy_run(min(init.block_size, init.num_blocks * init.block_size))
+    _log_phase("warmed up", started)
     if use_graphs:
         heartbeat.phase = "capturing decode graphs"
         max_len = _graph_max_len(config, facts.max_position_embeddings, init)
         sizes = capture_sizes(config.scheduler.max_num_seqs)
+        started = time.monotonic()
         used = _capture_graphs(runner, platform, max_len, sizes)
         logger.info(
-            "captured %d decode graphs (batch %d..%d, up to %d tokens) using %.0f MiB",
+            "captured %d decode graphs (batch %d..%d, up to %d tokens) using %.0f MiB in %.1fs",
             len(sizes),
             sizes[0],
             sizes[-1],
             max_len,
             used / 2**20,
+            time.monotonic() - started,
         )
     heartbeat.phase = "serving"
     socket.send(codec.encode(m.WorkerReady(rank=rank)))
@@ -153,6 +163,12 @@ def _serve(
         output = runner.execute(message)
         if output is not None:
             socket.send(codec.encode(output))
+
+
+def _log_phase(what: str, started: float) -> None:
+    """A start-up phase's duration: INFO when it took over a second, else DEBUG."""
+    elapsed = time.monotonic() - started
+    logger.log(logging.INFO if elapsed > 1.0 else logging.DEBUG, "%s in %.1fs", what, elapsed)
 
 
 def _use_graphs(config: VtllmConfig, platform: Platform, runner: ModelRunner) -> bool:
