@@ -100,6 +100,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     ),
     # Test hook: a worker sleeps this many seconds in every model execution.
     "VT_TEST_WORKER_STEP_DELAY_S": lambda: _float("VT_TEST_WORKER_STEP_DELAY_S", 0.0),
+    # Longest a request waits for its structured-output grammar to compile (engine core).
+    "VT_GRAMMAR_COMPILE_TIMEOUT_S": lambda: _float("VT_GRAMMAR_COMPILE_TIMEOUT_S", 30.0),
+    # Test hook: the driver worker sleeps this many seconds before each grammar compile.
+    "VT_TEST_GRAMMAR_COMPILE_DELAY_S": lambda: _float("VT_TEST_GRAMMAR_COMPILE_DELAY_S", 0.0),
 }
 
 

@@ -1,13 +1,21 @@
 """An executor for engine-core tests: keeps per-request state from SchedulerOutput deltas
 exactly as a worker must, checks every delta against its own bookkeeping, and "samples"
 a token that is a pure function of the request's whole token sequence — so outputs are
-the same whatever the batching, chunking, prefix hits or preemptions."""
+the same whatever the batching, chunking, prefix hits or preemptions.
+
+Grammars as the driver worker holds them: ``compile_grammar`` starts a "compile" (one
+whose spec text is ``UNCOMPILABLE`` fails), answered by ``take_grammar_results`` at once
+(``auto_compile``) or when a test calls ``finish_compile``; a request with a structured
+output must not reach a step before its compile was answered, and must be released once
+it ends (``grammar_held``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from vtllm.protocol import messages as m
+
+UNCOMPILABLE = "uncompilable"
 
 
 def next_token(token_ids: list[int], vocab_size: int) -> int:
@@ -37,6 +45,42 @@ class FakeExecutor:
     dropped_tokens: set[str] = field(default_factory=set)
     # request id → the error a worker reports for it in its next scheduled step
     errors: dict[str, str] = field(default_factory=dict)
+    auto_compile: bool = True
+    compiling: dict[str, tuple[int, m.StructuredOutputSpec]] = field(default_factory=dict)
+    grammar_held: set[str] = field(default_factory=set)  # asked to compile, not released
+    grammar_ok: set[str] = field(default_factory=set)  # answered as compiled
+    grammar_answers: list[m.GrammarReady] = field(default_factory=list)
+    num_grammar_messages: int = 0
+
+    def compile_grammar(self, request_id: str, seq: int, spec: m.StructuredOutputSpec) -> None:
+        self.num_grammar_messages += 1
+        assert request_id not in self.grammar_held, f"{request_id} compiled twice"
+        self.compiling[request_id] = (seq, spec)
+        self.grammar_held.add(request_id)
+
+    def release_grammars(self, request_ids: list[str]) -> None:
+        self.num_grammar_messages += 1
+        for request_id in request_ids:
+            assert request_id in self.grammar_held, f"{request_id} released, never compiled"
+            self.grammar_held.discard(request_id)
+            self.grammar_ok.discard(request_id)
+            self.compiling.pop(request_id, None)
+
+    def finish_compile(self, request_id: str) -> None:
+        seq, spec = self.compiling.pop(request_id)
+        error = None
+        if spec.spec == UNCOMPILABLE:
+            error = "invalid grammar: the fake compiler refuses this one"
+        else:
+            self.grammar_ok.add(request_id)
+        self.grammar_answers.append(m.GrammarReady(request_id, seq, error))
+
+    def take_grammar_results(self, wait_s: float = 0.0) -> list[m.GrammarReady]:
+        if self.auto_compile:
+            for request_id in list(self.compiling):
+                self.finish_compile(request_id)
+        answers, self.grammar_answers = self.grammar_answers, []
+        return answers
 
     def execute(self, step: m.SchedulerOutput) -> m.ModelRunnerOutput:
         self.steps.append(step)
@@ -44,6 +88,8 @@ class FakeExecutor:
             self.states.pop(request_id, None)
         for new in step.new_requests:
             assert new.request_id not in self.states, f"{new.request_id} sent twice"
+            if new.sampling_params.structured_output is not None:
+                assert new.request_id in self.grammar_ok, f"{new.request_id}: no grammar yet"
             self.states[new.request_id] = _State(
                 list(new.token_ids), list(new.block_ids), new.num_computed_tokens
             )

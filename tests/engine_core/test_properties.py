@@ -16,9 +16,16 @@ and when every request has ended: every block is back in the free pool, nothing 
 in the scheduler or the workers, and every request that was not aborted produced exactly
 the tokens of an unconstrained run (chunking, prefix hits and preemption change nothing).
 
+Structured outputs: requests with a grammar wait unscheduled until the fake driver
+answers their compile (at random moments, or never before an abort); the fake executor
+asserts none reaches a step before its answer, and every ended one is released, so the
+workers hold grammars exactly for live requests; one whose compile fails ends as
+INVALID_REQUEST without a token.
+
 Workloads: fcfs / priority / lpm, small pools (preemption), small budgets (chunking),
 shared prefixes (prefix hits), cache salts, aborts at random moments, reserve-full-sequence
-on and off, the long-prefill threshold on and off. Bounded to run in seconds.
+on and off, the long-prefill threshold on and off, grammars that compile late or not at
+all. Bounded to run in seconds.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tests.engine_core.fake_executor import FakeExecutor, next_token
+from tests.engine_core.fake_executor import UNCOMPILABLE, FakeExecutor, next_token
 from vtllm.config import VtllmConfig
 from vtllm.engine_core.block_pool import NULL_BLOCK_ID, BlockPool, KVCacheBlock
 from vtllm.engine_core.core import EngineCore, EngineFacts
@@ -141,7 +148,8 @@ def expected_tokens(prompt: list[int], num: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
-# prefix (one of two shared ones), prefix length, suffix, max_tokens, priority, cache salt
+# prefix (one of two shared ones), prefix length, suffix, max_tokens, priority, cache salt,
+# grammar (None = free text)
 REQUEST = st.tuples(
     st.integers(0, 1),
     st.sampled_from([0, 5, 8, 16, 24]),
@@ -149,6 +157,7 @@ REQUEST = st.tuples(
     st.one_of(st.none(), st.integers(1, 24)),
     st.integers(0, 2),
     st.sampled_from([None, None, None, "s"]),
+    st.sampled_from([None, None, None, "root ::= [a-z]+", UNCOMPILABLE]),
 )
 
 
@@ -189,7 +198,7 @@ class EngineMachine(RuleBasedStateMachine):
         # The start-up guard's promise: the pool holds one max_model_len sequence.
         num_blocks = -(-max_model_len // block_size) + 1 + spare_blocks
         facts = EngineFacts("prop", max_model_len, VOCAB, num_blocks, block_size, (2,))
-        self.executor = FakeExecutor(vocab_size=VOCAB, block_size=block_size)
+        self.executor = FakeExecutor(vocab_size=VOCAB, block_size=block_size, auto_compile=False)
         self.core = EngineCore(config, facts, self.executor)
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -200,6 +209,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.finished: dict[str, m.FinishReason] = {}
         self.hash_tokens: dict[bytes, tuple[int, ...]] = {}
         self.dropped: set[str] = set()  # requests a faulty worker dropped a token of
+        self.grammars: dict[str, str] = {}  # request id → its grammar, if any
         self.num_added = 0
         for spec in initial:
             self.add(spec)
@@ -208,7 +218,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(spec=REQUEST)
     def add(self, spec: tuple) -> None:
-        prefix, prefix_len, suffix, max_tokens, priority, salt = spec
+        prefix, prefix_len, suffix, max_tokens, priority, salt, grammar = spec
         prompt = (self.prefixes[prefix][:prefix_len] + suffix)[: self.max_model_len - 1]
         if not prompt:
             prompt = [7]
@@ -216,7 +226,13 @@ class EngineMachine(RuleBasedStateMachine):
         max_tokens = None if max_tokens is None else min(max_tokens, room)
         self.num_added += 1
         request_id = f"r{self.num_added}"
-        params = m.SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        structured = None
+        if grammar is not None:
+            structured = m.StructuredOutputSpec(m.StructuredOutputKind.GRAMMAR, grammar)
+            self.grammars[request_id] = grammar
+        params = m.SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, structured_output=structured
+        )
         add = m.AddRequest(request_id, prompt, params, priority=priority, cache_salt=salt)
         assert self.core.add_request(b"c", add) == []  # always valid by construction
         self.prompts[request_id] = prompt
@@ -229,6 +245,14 @@ class EngineMachine(RuleBasedStateMachine):
             self._record_hashes()
             outputs, _ = self.core.step()  # nothing to do: no step, no outputs
             self._collect(outputs)
+
+    @rule(data=st.data())
+    def finish_compiles(self, data: st.DataObject) -> None:
+        """The driver answers some of the compiles in flight (the next step sees them)."""
+        compiling = sorted(self.executor.compiling)
+        if compiling:
+            for request_id in data.draw(st.lists(st.sampled_from(compiling), unique=True)):
+                self.executor.finish_compile(request_id)
 
     @rule(data=st.data(), drop_token=st.booleans())
     def disrupt(self, data: st.DataObject, drop_token: bool) -> None:
@@ -249,7 +273,11 @@ class EngineMachine(RuleBasedStateMachine):
             assert out.request_id not in self.finished, f"{out.request_id} output after finish"
             self.tokens[out.request_id].extend(out.new_token_ids)
             if out.finish_reason is not None:
-                if out.finish_reason == m.FinishReason.ERROR:
+                if out.finish_reason == m.FinishReason.ERROR and "compile" in out.error:
+                    assert self.grammars.get(out.request_id) == UNCOMPILABLE, out.error
+                    assert out.error_code == m.ErrorCode.INVALID_REQUEST
+                    assert self.tokens[out.request_id] == []
+                elif out.finish_reason == m.FinishReason.ERROR:
                     assert out.request_id in self.dropped, out.error
                     assert "returned no token for this request" in out.error
                 self.finished[out.request_id] = out.finish_reason
@@ -281,6 +309,14 @@ class EngineMachine(RuleBasedStateMachine):
         # the workers hold state only for live requests or ones they are about to drop
         pending_drop = set(scheduler._finished_for_workers)
         assert set(self.executor.states) <= set(scheduler.requests) | pending_drop
+        # grammars: held on the driver exactly for live requests that have one; only
+        # waiting requests may still wait for theirs, and the count follows them
+        with_grammar = {r for r in scheduler.requests if r in self.grammars}
+        assert self.executor.grammar_held == with_grammar
+        awaiting = [r for r in scheduler.waiting if r.awaiting_grammar]
+        assert scheduler.num_awaiting_grammar == len(awaiting)
+        assert not any(r.awaiting_grammar for r in scheduler.running)
+        assert set(self.core._awaiting_grammars) == {r.request_id for r in awaiting}
 
     def _record_hashes(self) -> None:
         """Remember which tokens each hash stands for (every hash a step can publish
@@ -305,6 +341,7 @@ class EngineMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "core"):
             return
+        self.executor.auto_compile = True  # every compile answered from now on
         # Generous: every token of every request computed four times over, one per step.
         max_steps = 100 + 4 * sum(len(p) + self.max_tokens[r] for r, p in self.prompts.items())
         for _ in range(max_steps):
@@ -327,13 +364,17 @@ class EngineMachine(RuleBasedStateMachine):
             if any(r.request_id == rid for r in step.new_requests)
         )
         event(f"chunked prefill: {chunked}")
+        event(f"grammar failed: {any(g == UNCOMPILABLE for g in self.grammars.values())}")
         pool = self.core.scheduler.kv.pool
         assert pool.num_free_blocks == pool.num_usable_blocks
         assert self.core.scheduler.requests == {} and self.executor.states == {}
+        assert self.executor.grammar_held == set() and self.core._awaiting_grammars == {}
         assert len(self.core.progress) == 0
         for request_id, prompt in self.prompts.items():
             tokens = self.tokens[request_id]
             if request_id in self.dropped:  # the drop came before any other end
+                assert self.finished[request_id] in (m.FinishReason.ERROR, m.FinishReason.ABORT)
+            if self.grammars.get(request_id) == UNCOMPILABLE:  # ended before any step
                 assert self.finished[request_id] in (m.FinishReason.ERROR, m.FinishReason.ABORT)
             if self.finished[request_id] != m.FinishReason.LENGTH:
                 assert tokens == expected_tokens(prompt, len(tokens)), request_id

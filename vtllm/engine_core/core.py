@@ -1,8 +1,16 @@
 """The engine core: requests in, one step at a time on an executor, outputs out.
 
 Plain Python over a ``Scheduler`` and anything with ``execute(SchedulerOutput) ->
-ModelRunnerOutput``, so unit tests drive it with a fake executor; ``core_proc`` wraps it
-in sockets and a process.
+ModelRunnerOutput`` (and the three grammar calls of ``Executor``), so unit tests drive it
+with a fake executor; ``core_proc`` wraps it in sockets and a process.
+
+Structured outputs: admitting a request with ``sampling_params.structured_output`` asks
+the driver worker to compile its grammar at once (``compile_grammar``, outside any step);
+the request waits in its place, unscheduled, until the ``GrammarReady`` answer (collected
+at the start of each step) — compiled: it may be scheduled; failed, or not in within
+``VT_GRAMMAR_COMPILE_TIMEOUT_S``: it ends with an ``INVALID_REQUEST`` error. Every request
+that asked for a compile is released on the driver when it finishes, however it ends.
+Requests without one cost nothing of this: no message, no wait.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from vtllm import envs
 from vtllm.config import VtllmConfig
 from vtllm.engine_core.guards import validate_request
 from vtllm.engine_core.request import Request, RequestStatus
@@ -28,6 +37,9 @@ logger = logging.getLogger(__name__)
 ClientId = bytes
 _BUSY_LOG_INTERVAL_S = 10.0
 _LOGGED_ID_CHARS = 64
+# Longest a step waits on the workers for a grammar when nothing else can be scheduled
+# (the engine loop then looks at its inbox again).
+_GRAMMAR_POLL_S = 0.01
 
 
 def _short(request_id: str) -> str:
@@ -39,6 +51,17 @@ def _short(request_id: str) -> str:
 
 class Executor(Protocol):
     def execute(self, step: m.SchedulerOutput) -> m.ModelRunnerOutput: ...
+
+    def compile_grammar(self, request_id: str, seq: int, spec: m.StructuredOutputSpec) -> None:
+        """Start compiling on the driver; never raises (a dead worker shows at the next
+        step or ``take_grammar_results``)."""
+
+    def release_grammars(self, request_ids: list[str]) -> None:
+        """The driver forgets these requests' grammars; never raises."""
+
+    def take_grammar_results(self, wait_s: float = 0.0) -> list[m.GrammarReady]:
+        """Answers to ``compile_grammar`` received so far, waiting up to ``wait_s`` when
+        there are none."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +117,10 @@ class EngineCore:
         self._num_unfinished: dict[ClientId, int] = {}  # client → admitted, not finished
         self._num_busy_refused = 0
         self._busy_logged_at = -_BUSY_LOG_INTERVAL_S
+        self._grammar_seq = 0
+        # request id → (seq of its CompileGrammar, monotonic deadline), until answered
+        self._awaiting_grammars: dict[str, tuple[int, float]] = {}
+        self._grammar_ids: set[str] = set()  # live requests whose grammar the driver holds
         warning = reserve_full_sequence_warning(config, facts)
         if warning is not None:
             logger.warning(warning)
@@ -191,11 +218,21 @@ class EngineCore:
             priority=add.priority,
             cache_salt=add.cache_salt,
         )
+        spec = add.sampling_params.structured_output
+        if spec is not None:
+            self._grammar_seq += 1
+            deadline = time.monotonic() + envs.VT_GRAMMAR_COMPILE_TIMEOUT_S
+            self._awaiting_grammars[add.request_id] = (self._grammar_seq, deadline)
+            self._grammar_ids.add(add.request_id)
+            request.awaiting_grammar = True
+            self.executor.compile_grammar(add.request_id, self._grammar_seq, spec)
         self.scheduler.add_request(request)
         self._num_unfinished[client_id] = self._num_unfinished.get(client_id, 0) + 1
 
     def _settle(self, outputs: Outputs) -> Outputs:
-        """Count the requests that ``outputs`` finish out of their clients' totals."""
+        """Count the requests that ``outputs`` finish out of their clients' totals, and
+        release the grammars they held on the driver (one message for all)."""
+        released = []
         for client_id, output in outputs:
             if output.finish_reason is None:
                 continue
@@ -204,7 +241,53 @@ class EngineCore:
                 self._num_unfinished[client_id] = left
             else:
                 self._num_unfinished.pop(client_id, None)
+            if self._grammar_ids and output.request_id in self._grammar_ids:
+                self._grammar_ids.discard(output.request_id)
+                self._awaiting_grammars.pop(output.request_id, None)
+                released.append(output.request_id)
+        if released:
+            self.executor.release_grammars(released)
         return outputs
+
+    def _collect_grammars(self, wait_s: float) -> Outputs:
+        """Apply the driver's ``GrammarReady`` answers (stale ones, for a request gone or
+        an id since reused, are dropped) and the compile deadline; the outputs of the
+        requests this fails (``INVALID_REQUEST``: the spec does not compile, or is too
+        slow to)."""
+        failed: list[tuple[Request, str]] = []
+        for ready in self.executor.take_grammar_results(wait_s):
+            awaited = self._awaiting_grammars.get(ready.request_id)
+            if awaited is None or awaited[0] != ready.seq:
+                continue
+            del self._awaiting_grammars[ready.request_id]
+            request = self.scheduler.requests.get(ready.request_id)
+            if request is None:
+                continue
+            if ready.error is None:
+                self.scheduler.grammar_ready(request)
+            else:
+                failed.append((request, f"the structured output does not compile: {ready.error}"))
+        now = time.monotonic()
+        limit = envs.VT_GRAMMAR_COMPILE_TIMEOUT_S if self._awaiting_grammars else 0.0
+        for request_id, (_, deadline) in list(self._awaiting_grammars.items()):
+            if now > deadline:
+                del self._awaiting_grammars[request_id]
+                message = (
+                    f"the structured output's grammar did not compile within {limit:g}s "
+                    "(VT_GRAMMAR_COMPILE_TIMEOUT_S); send a smaller or simpler schema or "
+                    "grammar, or raise the limit"
+                )
+                failed.append((self.scheduler.requests[request_id], message))
+        outputs: Outputs = []
+        for request, message in failed:
+            logger.warning("request %s: %s", _short(request.request_id), message)
+            request.error = message
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+            output = msgspec.structs.replace(
+                Scheduler._output(request, []), error_code=m.ErrorCode.INVALID_REQUEST
+            )
+            outputs.append((request.client_id, output))
+        return self._settle(outputs)
 
     def _log_busy(self, message: str) -> None:
         """Busy refusals come in floods: one log line per ``_BUSY_LOG_INTERVAL_S`` at most."""
@@ -266,13 +349,18 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._awaiting_grammars)
 
     def step(self) -> tuple[Outputs, m.SchedulerStats | None]:
-        """Schedule, execute, update. Returns outputs per client and this step's stats
-        (None when there was nothing to do)."""
+        """Collect compiled grammars, then schedule, execute, update. Returns outputs per
+        client and this step's stats (None when there was nothing to execute). With only
+        requests waiting for grammars, it waits up to ``_GRAMMAR_POLL_S`` for one."""
+        grammar_outputs: Outputs = []
+        if self._awaiting_grammars:
+            wait_s = 0.0 if self.scheduler.has_work() else _GRAMMAR_POLL_S
+            grammar_outputs = self._collect_grammars(wait_s)
         if not self.scheduler.has_work():
-            return [], None
+            return grammar_outputs, None
         step = self.scheduler.schedule()
         for request_id, (num_done, num_chunk) in step.prefill_chunks.items():
             request = self.scheduler.requests[request_id]
@@ -287,7 +375,7 @@ class EngineCore:
             request = self.scheduler.requests.get(request_id)
             if request is not None:
                 self.progress.after(request_id, num_done + num_chunk, request.num_prompt_tokens)
-        outputs = self._settle(
+        outputs = grammar_outputs + self._settle(
             [
                 (request.client_id, output)
                 for request, output in self.scheduler.update_from_output(step, result)

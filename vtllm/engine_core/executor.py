@@ -6,6 +6,9 @@ connect DEALERs with identity ``rank-N``).
 
 Start-up RPC: spawn → each rank sends ``WorkerReport`` → ``InitKVCache`` → ``WorkerReady``.
 Each step: ``SchedulerOutput`` to every rank → rank 0 answers ``ModelRunnerOutput``.
+Grammars (structured outputs), outside steps: ``CompileGrammar`` / ``ReleaseGrammars`` to
+rank 0; its ``GrammarReady`` answers arrive whenever a compile ends and are kept, like
+heartbeats, whatever the executor was waiting for (``take_grammar_results``).
 
 Nothing here waits without a deadline; each way a worker can fail raises
 ``WorkerDiedError`` with a message that says which:
@@ -114,6 +117,7 @@ class MultiprocExecutor:
         self.liveness = [WorkerLiveness() for _ in range(self.world_size)]
         self._spawned_at = 0.0
         self._next_liveness_check = 0.0
+        self._grammar_results: list[m.GrammarReady] = []
 
     # -- start-up --------------------------------------------------------------------
 
@@ -215,6 +219,46 @@ class MultiprocExecutor:
             if message is not None:
                 logger.warning("ignoring unexpected worker message %r", type(message).__name__)
 
+    # -- grammars (structured outputs) -----------------------------------------------
+
+    def compile_grammar(self, request_id: str, seq: int, spec: m.StructuredOutputSpec) -> None:
+        """Ask the driver (rank 0, which owns grammar state) to compile ``spec`` now; its
+        ``GrammarReady`` comes back through ``take_grammar_results``. Never raises: a
+        worker that is gone is reported by the next step or ``take_grammar_results``."""
+        try:
+            self._send(self._identities[0], m.CompileGrammar(request_id, seq, spec))
+        except WorkerDiedError as e:
+            logger.warning("grammar compile not delivered: %s", e)
+
+    def release_grammars(self, request_ids: list[str]) -> None:
+        """Tell the driver these requests ended. Best effort: a worker that is gone has
+        nothing left to forget (its death is reported by the next step or poll)."""
+        try:
+            self._send(self._identities[0], m.ReleaseGrammars(request_ids))
+        except WorkerDiedError as e:
+            logger.debug("grammar release not delivered: %s", e)
+
+    def take_grammar_results(self, wait_s: float = 0.0) -> list[m.GrammarReady]:
+        """The ``GrammarReady`` answers received so far (each returned once); when none
+        is in yet, waits for worker messages up to ``wait_s``. Raises
+        ``WorkerDiedError`` as ``execute`` does if a worker died or fell silent."""
+        self._absorb_queued()
+        if not self._grammar_results and wait_s > 0:
+            now = time.monotonic()
+            if now >= self._next_liveness_check:
+                self._next_liveness_check = now + _POLL_MS / 1000
+                self.check_alive()
+            if self._socket.poll(max(1, int(wait_s * 1000))):
+                self._absorb_queued()
+        results, self._grammar_results = self._grammar_results, []
+        return results
+
+    def _send(self, identity: bytes, message: Any) -> None:
+        try:
+            self._socket.send_multipart([identity, codec.encode(message)], copy=False)
+        except zmq.ZMQError as e:
+            raise WorkerDiedError(f"cannot reach worker {identity.decode()}: {e}") from None
+
     def _broadcast(self, message: Any) -> None:
         payload = codec.encode(message)
         for identity in self._identities:
@@ -253,6 +297,9 @@ class MultiprocExecutor:
             raise WorkerDiedError(f"worker rank {message.rank} failed: {message.message}")
         if isinstance(message, m.WorkerHeartbeat):
             self._on_heartbeat(message)
+            return None
+        if isinstance(message, m.GrammarReady):
+            self._grammar_results.append(message)
             return None
         return message
 

@@ -93,6 +93,9 @@ class Request:
         self.error: str | None = None
         # How many of all_token_ids the workers hold; None = they hold no state for it.
         self.num_tokens_sent_to_workers: int | None = None
+        # Structured output: True from admission until the driver worker reports its
+        # grammar compiled; the scheduler leaves it waiting (in its place) until then.
+        self.awaiting_grammar = False
         self._extend_block_hashes()
 
     @property

@@ -25,6 +25,10 @@ cannot be cut short, so a full-budget step would make every newcomer wait for al
 Every scheduled request whose computed tokens reach its known tokens is *due* a sampled
 token; one that gets neither a token nor an error ends with an error finish (never
 RUNNING forever).
+
+A request with a structured output waits (``awaiting_grammar``, in its place in the
+queue) until the driver worker has compiled its grammar; waiting requests behind it are
+scheduled meanwhile, so a slow compile holds no one but its own request.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class Scheduler:
         # ids the workers must drop state for (finished, aborted or preempted)
         self._finished_for_workers: list[str] = []
         self._step_id = 0
+        self.num_awaiting_grammar = 0  # waiting requests whose grammar is not compiled yet
         self.num_preemptions = 0  # since the last stats
         self.num_preemptions_total = 0
 
@@ -87,6 +92,14 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.awaiting_grammar:
+            self.num_awaiting_grammar += 1
+
+    def grammar_ready(self, request: Request) -> None:
+        """``request``'s grammar is compiled: it may be scheduled from now on."""
+        if request.awaiting_grammar:
+            request.awaiting_grammar = False
+            self.num_awaiting_grammar -= 1
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests (abort, stop string hit by the client, ...); their blocks return
@@ -105,6 +118,7 @@ class Scheduler:
         return finished
 
     def _free(self, request: Request, status: RequestStatus) -> None:
+        self.grammar_ready(request)  # no longer counted as waiting for one
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
@@ -117,18 +131,30 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._finished_for_workers)
+        """Something a step can do: run or admit a request, or tell the workers to drop
+        one (requests waiting only for their grammars are not work for a step)."""
+        return bool(
+            len(self.waiting) > self.num_awaiting_grammar
+            or self.running
+            or self._finished_for_workers
+        )
 
     # -- scheduling ------------------------------------------------------------------
 
-    def _pick_waiting(self) -> Request:
+    def _pick_waiting(self) -> Request | None:
+        """The next waiting request by policy; None when all wait for their grammars."""
+        waiting = self.waiting
+        if self.num_awaiting_grammar:
+            waiting = [r for r in waiting if not r.awaiting_grammar]
+            if not waiting:
+                return None
         policy = self.config.scheduling_policy
         if policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+            return min(waiting, key=lambda r: (r.priority, r.arrival_time))
         if policy == "lpm":
             # Longest cached prefix first (pure probe: no stats, nothing published).
-            return max(self.waiting, key=self.kv.num_matched_prefix_tokens)
-        return self.waiting[0]
+            return max(waiting, key=self.kv.num_matched_prefix_tokens)
+        return waiting[0]
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
@@ -202,6 +228,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self._pick_waiting()
+            if request is None:
+                break  # the rest wait for their grammars
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = self._chunk_size(request, num_hit, budget)
             num_reserved = 0

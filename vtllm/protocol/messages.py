@@ -354,5 +354,36 @@ class Shutdown(_Message, tag="shutdown"):
     pass
 
 
-WorkerToEngine = WorkerReport | WorkerReady | ModelRunnerOutput | WorkerFailure | WorkerHeartbeat
-EngineToWorker = InitKVCache | SchedulerOutput | Shutdown
+class CompileGrammar(_Message, tag="compile_grammar"):
+    """To rank 0 (the driver, which owns grammar state) when a request with a structured
+    output is admitted, outside any step: compile ``spec`` for ``request_id`` on a
+    background thread and answer ``GrammarReady`` with the same ``seq``. The worker holds
+    the compiled grammar for the request (across preemption) until ``ReleaseGrammars``
+    names it."""
+
+    request_id: str
+    seq: int  # engine-core counter: tells a stale answer (an id reused) from this one
+    spec: StructuredOutputSpec
+
+
+class ReleaseGrammars(_Message, tag="release_grammars"):
+    """To rank 0: these requests finished (any way) or were aborted; forget their
+    grammars (compiled, compiling, or matching)."""
+
+    request_ids: list[str]
+
+
+class GrammarReady(_Message, tag="grammar_ready"):
+    """Rank 0's answer to ``CompileGrammar``, sent whenever the compile ends (between
+    steps, or after a step's output): ``error`` None = compiled, the request may be
+    scheduled; otherwise xgrammar's reason (the request ends as INVALID_REQUEST)."""
+
+    request_id: str
+    seq: int
+    error: str | None = None
+
+
+WorkerToEngine = (
+    WorkerReport | WorkerReady | ModelRunnerOutput | WorkerFailure | WorkerHeartbeat | GrammarReady
+)
+EngineToWorker = InitKVCache | SchedulerOutput | CompileGrammar | ReleaseGrammars | Shutdown

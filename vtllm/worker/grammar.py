@@ -16,9 +16,14 @@ has accepted — never over what was merely sampled, so an output the engine dro
 request resumed after preemption (it comes back as a new request with its outputs, and a
 fresh matcher replays them) or an abort (``retain`` forgets it) cannot desynchronise it.
 
-Compilation never runs on the step's thread. A request whose grammar is not compiled
-when it first samples waits for it, at most ``max_wait_s``; then it fails with an error
-naming the bound (its peers in that step wait with it: the bound is what limits that).
+Compilation never runs on the step's thread, and never holds a step: the engine core
+sends ``CompileGrammar`` when it admits the request (``prepare``), schedules it only after
+the ``GrammarReady`` this side reports once the compile ends (``take_ready``), and sends
+``ReleaseGrammars`` when it finishes (``release``). The compiled grammar is held per
+request from ``prepare`` to ``release``, so a preempted request resumes without a
+recompile. A request that reaches a step without ``prepare`` (a direct ``ModelRunner``
+user) compiles at its first sample and waits for it, at most ``max_wait_s`` (its peers in
+that step wait with it).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any
 
 import torch
 
+from vtllm import envs
 from vtllm.protocol.messages import StructuredOutputKind, StructuredOutputSpec
 
 logger = logging.getLogger(__name__)
@@ -135,6 +141,9 @@ class GrammarCompilerService:
 
     def _compile(self, spec: StructuredOutputSpec) -> Any:
         started = time.monotonic()
+        delay = envs.VT_TEST_GRAMMAR_COMPILE_DELAY_S
+        if delay > 0:
+            time.sleep(delay)
         compiled = compile_spec(self._compiler.result(), spec)
         logger.debug("compiled %s grammar in %.3fs", spec.kind.name, time.monotonic() - started)
         return compiled
@@ -172,14 +181,51 @@ class StructuredOutputs:
         self.compilers = compilers
         self.max_wait_s = max_wait_s
         self._grammars: dict[str, _RequestGrammar] = {}
+        self._held: dict[str, Future] = {}  # prepared, not released: request id → compile
+        self._unreported: dict[str, tuple[int, Future]] = {}  # request id → (seq, compile)
         self._bitmask: torch.Tensor | None = None  # host buffer, grown on demand
 
     def __len__(self) -> int:
         return len(self._grammars)
 
+    def num_held(self) -> int:
+        """Requests with any state here (matcher, held compile or pending report)."""
+        return len(set(self._grammars) | set(self._held) | set(self._unreported))
+
+    def prepare(self, request_id: str, seq: int, spec: StructuredOutputSpec) -> None:
+        """Start compiling ``spec`` for a request the engine core just admitted; held
+        for it until ``release``, reported once by ``take_ready``."""
+        future = self.compilers.compile(spec)
+        self._held[request_id] = future
+        self._unreported[request_id] = (seq, future)
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Forget finished or aborted requests: held compiles, pending reports, matchers
+        (a compile still running finishes into the shared cache and is not reported)."""
+        for request_id in request_ids:
+            self._held.pop(request_id, None)
+            self._unreported.pop(request_id, None)
+            self._grammars.pop(request_id, None)
+
+    @property
+    def has_unreported(self) -> bool:
+        return bool(self._unreported)
+
+    def take_ready(self) -> list[tuple[str, int, str | None]]:
+        """``(request id, seq, error or None)`` of every prepared compile that ended
+        since the last call (each reported once)."""
+        ready = []
+        for request_id, (seq, future) in list(self._unreported.items()):
+            if future.done():
+                del self._unreported[request_id]
+                ready.append((request_id, seq, _compile_error(future)))
+        return ready
+
     def add(self, request_id: str, spec: StructuredOutputSpec) -> None:
-        """Start compiling a (new or resumed) request's grammar; a fresh matcher."""
-        self._grammars[request_id] = _RequestGrammar(spec, self.compilers.compile(spec))
+        """A fresh matcher for a (new or resumed) request, over its held compile (or a
+        compile started now, for a request never prepared)."""
+        compiled = self._held.get(request_id) or self.compilers.compile(spec)
+        self._grammars[request_id] = _RequestGrammar(spec, compiled)
 
     def retain(self, live_request_ids: Container[str]) -> None:
         """Forget every request not in ``live_request_ids`` (finished, aborted, preempted)."""
@@ -253,3 +299,13 @@ class StructuredOutputs:
             vocab_size = self.compilers.vocab_size
             self._bitmask = xgrammar.allocate_token_bitmask(max(8, num_rows), vocab_size)
         return self._bitmask
+
+
+def _compile_error(future: Future) -> str | None:
+    """None for a compile that succeeded; else the reason, for the client."""
+    exc = future.exception()
+    if exc is None:
+        return None
+    if isinstance(exc, GrammarError):
+        return str(exc)
+    return f"structured outputs are unavailable: {exc}"

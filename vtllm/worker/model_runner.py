@@ -194,19 +194,24 @@ class ModelRunner:
         logits_indices = torch.from_numpy(batch.logits_indices).to(self.device)
         return self.model.compute_logits(hidden.index_select(0, logits_indices))
 
+    def grammars(self) -> StructuredOutputs:
+        """The driver's grammar state, created (compiler threads started) at first use."""
+        if self.structured is None:
+            compilers = GrammarCompilerService(
+                self.tokenizer_dir or "", self.vocab_size, self.eos_token_ids
+            )
+            self.structured = StructuredOutputs(compilers)
+        return self.structured
+
     def _track_grammars(self, step: SchedulerOutput) -> None:
-        """Start compiling the grammars of new (or resumed) requests; forget the rest."""
+        """A fresh matcher for each new (or resumed) request with a grammar (compiled by
+        then when the engine core sent ``CompileGrammar``); forget the rest."""
         if not self.is_driver:
             return
         for new in step.new_requests:
             spec = new.sampling_params.structured_output
             if spec is not None and new.request_id in self.states:
-                if self.structured is None:
-                    compilers = GrammarCompilerService(
-                        self.tokenizer_dir or "", self.vocab_size, self.eos_token_ids
-                    )
-                    self.structured = StructuredOutputs(compilers)
-                self.structured.add(new.request_id, spec)
+                self.grammars().add(new.request_id, spec)
         if self.structured is not None:
             self.structured.retain(self.states)
 

@@ -10,7 +10,14 @@ Start-up RPC with the engine core (ZMQ DEALER, identity ``rank-N``)::
       WorkerReady{rank}                    ─▶
                                           ◀─ SchedulerOutput   (every step, every rank)
       ModelRunnerOutput (rank 0 only)      ─▶
+                                          ◀─ CompileGrammar    (rank 0, between steps)
+      GrammarReady (when the compile ends) ─▶
+                                          ◀─ ReleaseGrammars   (rank 0)
                                           ◀─ Shutdown          → exit 0
+
+Grammars compile on background threads (``worker/grammar.py``); the main loop polls every
+``_GRAMMAR_POLL_MS`` while a compile is unreported, so ``GrammarReady`` goes out promptly
+whether the worker is idle or between steps, and no step ever waits for a compile.
 
 Any exception sends ``WorkerFailure{rank, message}`` and exits non-zero.
 """
@@ -43,6 +50,7 @@ from vtllm.worker.sampler import penalty_state_bytes
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 1000
+_GRAMMAR_POLL_MS = 2
 
 
 class _ParentGone(RuntimeError):
@@ -152,17 +160,39 @@ def _serve(
     socket.send(codec.encode(m.WorkerReady(rank=rank)))
     logger.info("ready: %d KV blocks of %d tokens", init.num_blocks, init.block_size)
 
+    expected = (m.SchedulerOutput, m.CompileGrammar, m.ReleaseGrammars, m.Shutdown)
     while True:
-        message = _receive(socket, decoder, (m.SchedulerOutput, m.Shutdown))
+        compiling = _report_grammars(socket, runner)
+        message = _receive(socket, decoder, expected, _GRAMMAR_POLL_MS if compiling else None)
+        if message is None:
+            continue
         if isinstance(message, m.Shutdown):
             logger.info("shutdown requested")
             return
+        if isinstance(message, m.CompileGrammar):
+            if runner.is_driver:
+                runner.grammars().prepare(message.request_id, message.seq, message.spec)
+            continue
+        if isinstance(message, m.ReleaseGrammars):
+            if runner.structured is not None:
+                runner.structured.release(message.request_ids)
+            continue
         delay = envs.VT_TEST_WORKER_STEP_DELAY_S
         if delay > 0:
             time.sleep(delay)
         output = runner.execute(message)
         if output is not None:
             socket.send(codec.encode(output))
+
+
+def _report_grammars(socket: zmq.Socket, runner: ModelRunner) -> bool:
+    """Send ``GrammarReady`` for every compile that ended; True while some still run."""
+    grammars = runner.structured
+    if grammars is None or not grammars.has_unreported:
+        return False
+    for request_id, seq, error in grammars.take_ready():
+        socket.send(codec.encode(m.GrammarReady(request_id=request_id, seq=seq, error=error)))
+    return grammars.has_unreported
 
 
 def _log_phase(what: str, started: float) -> None:
@@ -254,14 +284,22 @@ def _usable_kv_bytes(
     return budget.kv_cache_bytes()
 
 
-def _receive(socket: zmq.Socket, decoder: codec.Decoder, expected: tuple[type, ...]):
-    """Next message of an expected kind. Garbage and unexpected kinds are logged and
-    dropped; a vanished parent ends the wait."""
+def _receive(
+    socket: zmq.Socket,
+    decoder: codec.Decoder,
+    expected: tuple[type, ...],
+    wait_ms: int | None = None,
+):
+    """Next message of an expected kind (None once ``wait_ms`` passed with nothing; no
+    bound when None). Garbage and unexpected kinds are logged and dropped; a vanished
+    parent ends the wait."""
     parent = os.getppid()
     while True:
-        if not socket.poll(_POLL_MS):
+        if not socket.poll(_POLL_MS if wait_ms is None else wait_ms):
             if os.getppid() != parent:
                 raise _ParentGone("the engine core process went away")
+            if wait_ms is not None:
+                return None
             continue
         frame = socket.recv_multipart()[-1]  # tolerate an empty delimiter frame
         try:
