@@ -79,11 +79,16 @@ class ModelRunner:
         seed: int,
         tp: TPGroup | None = None,
         load_format: str = "auto",
+        max_model_len: int | None = None,
     ) -> ModelRunner:
         """Build the model from ``config.json`` and load its safetensors (``load_format``
-        ``dummy``: random weights instead, seeded by ``seed``); rank 0 drives."""
+        ``dummy``: random weights instead, seeded by ``seed``); rank 0 drives.
+        ``max_model_len`` beyond the model's ``max_position_embeddings`` (allowed by
+        VT_ALLOW_LONG_MAX_MODEL_LEN): the position tables cover it."""
         tp = tp or TPGroup()
         hf_config = load_hf_config(model_dir)
+        if max_model_len and max_model_len > hf_config.get("max_position_embeddings", 0):
+            hf_config = {**hf_config, "max_position_embeddings": max_model_len}
         model = build_model(hf_config, device, dtype, tp)
         if load_format == "dummy":
             init_dummy_weights(model, seed)

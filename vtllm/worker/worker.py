@@ -114,7 +114,13 @@ def _serve(
     started = time.monotonic()
     logger.info("loading %s (%s) ...", model_dir, dtype)
     runner = ModelRunner.from_model_dir(
-        model_dir, platform.device, dtype, config.model.seed, tp, config.model.load_format
+        model_dir,
+        platform.device,
+        dtype,
+        config.model.seed,
+        tp,
+        config.model.load_format,
+        config.model.max_model_len,
     )
     logger.info("loaded %s (%s) in %.1fs", model_dir, dtype, time.monotonic() - started)
     attn = runner.model.model.layers[0].self_attn
