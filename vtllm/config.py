@@ -245,8 +245,7 @@ class FrontendConfig:
     )
     chat_template: str | None = _opt(
         None,
-        "Chat template to use instead of the model's: a Jinja file, or the template "
-        "text itself.",
+        "Chat template to use instead of the model's: a Jinja file, or the template text itself.",
     )
     reasoning_parser: str | None = _opt(
         None,
@@ -294,6 +293,9 @@ class FrontendConfig:
     )
     max_logprobs: int = _opt(
         20, "Most logprobs / top_logprobs a request may ask for (at most 20); more is a 400."
+    )
+    response_role: str = _opt(
+        "assistant", "Role of the generated message in chat completion answers."
     )
     allowed_origins: str | None = _opt(
         None,

@@ -29,7 +29,6 @@ UNSUPPORTED: dict[str, str] = {
     "--max-seq-len-to-capture": "decode graphs cover max_model_len (see --enforce-eager)",
     "--distributed-executor-backend": "workers are always local processes",
     "--limit-mm-per-prompt": "text-only models",
-    "--response-role": "chat answers always carry the role assistant",
 }
 
 

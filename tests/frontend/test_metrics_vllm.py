@@ -214,3 +214,15 @@ def test_grafana_dashboard_queries_name_exported_series() -> None:
         names = re.findall(r"vllm:[a-zA-Z0-9_]+", expr)
         assert names, expr
         assert set(names) <= exported, (expr, set(names) - exported)
+
+
+async def test_response_role(serve) -> None:
+    config = VtllmConfig()
+    config.frontend.response_role = "narrator"
+    served = await serve(config=config)
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    r = await served.http.post("/v1/chat/completions", json=body)
+    assert r.json()["choices"][0]["message"]["role"] == "narrator"
+    r = await served.http.post("/v1/chat/completions", json={**body, "stream": True})
+    first = json.loads(r.text.split("data: ", 2)[1].split("\n", 1)[0])
+    assert first["choices"][0]["delta"]["role"] == "narrator"

@@ -176,6 +176,7 @@ def build_context(
         or detect_tool_parser(tokenizer.chat_template),
         reasoning_parser=config.frontend.reasoning_parser,
         max_choices_per_request=config.frontend.max_choices_per_request,
+        response_role=config.frontend.response_role,
     )
 
 

@@ -258,6 +258,7 @@ async def _complete(
             "".join(d.text for d in deltas),
             deltas[-1].finish_reason or "abort" if deltas else "abort",
         )
+        message["role"] = ctx.response_role  # --response-role
         choices.append(
             {
                 "index": job.index,
@@ -302,7 +303,7 @@ async def _stream(
     try:
         async with ChoiceMerger(ctx.engine, ctx.tokenizer, jobs, ctx.drain) as merger:
             for job in jobs:
-                role = {"role": "assistant", "content": ""}
+                role = {"role": ctx.response_role, "content": ""}
                 yield chunk(
                     [{"index": job.index, "delta": role, "logprobs": None, "finish_reason": None}]
                 )

@@ -41,6 +41,7 @@ class ServingContext:
     model_aliases: tuple[str, ...] = ()
     tool_call_parser: str | None = None  # --tool-call-parser, or detected from the template
     reasoning_parser: str | None = None  # --reasoning-parser
+    response_role: str = "assistant"  # --response-role: the role of generated chat messages
     max_choices_per_request: int = 256  # --max-choices-per-request
     drain: Drain = field(default_factory=Drain)  # graceful stop (drain.py)
 
