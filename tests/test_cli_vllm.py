@@ -160,3 +160,16 @@ def test_bench_reports_decode_graphs_only_where_workers_capture_them():
     assert decode_graphs_used(False, True, "auto") is True
     assert decode_graphs_used(True, True, "triton") is False  # --enforce-eager
     assert decode_graphs_used(False, True, "torch") is False  # VT_ATTENTION_BACKEND=torch
+
+
+def test_every_serve_flag_is_in_usage():
+    doc = (ROOT / "docs" / "USAGE.md").read_text()
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    flags = {
+        o
+        for action in serve._actions
+        for o in action.option_strings
+        if o not in ("-h", "--help") and not o.startswith("--no-")
+    }
+    undocumented = sorted(f for f in flags if not re.search(rf"`{re.escape(f)}[` ]", doc))
+    assert not undocumented, undocumented
