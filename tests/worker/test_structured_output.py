@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import pytest
 import torch
@@ -290,6 +291,56 @@ def test_invalid_spec_fails_only_its_request(shared_runner):
     assert list(errors) == ["bad"]
     assert "invalid json_schema" in errors["bad"] and "nope" in errors["bad"]
     assert len(outputs["good"]) == 3
+
+
+def _reports(grammars, count: int, deadline_s: float = 30.0) -> dict:
+    """``count`` reports from ``take_ready``, keyed by request id."""
+    deadline = time.monotonic() + deadline_s
+    reports: dict = {}
+    while len(reports) < count:
+        assert time.monotonic() < deadline, f"only {reports} within {deadline_s}s"
+        for request_id, seq, error in grammars.take_ready():
+            assert request_id not in reports, f"{request_id} reported twice"
+            reports[request_id] = (seq, error)
+        time.sleep(0.005)
+    return reports
+
+
+def test_prepared_grammars_are_reported_once_held_until_released(model_dir, tokenizer):
+    """The engine core's CompileGrammar / GrammarReady / ReleaseGrammars on the driver:
+    each compile is reported once with its seq (xgrammar's reason when it fails); the
+    compile is held for the request across preemption and forgotten on release, also
+    while it still runs (then never reported)."""
+    runner, sim = _runner(model_dir)
+    grammars = runner.grammars()
+    pattern = r"[a-z]{3}\.[0-9]{2}"
+    spec = _spec(StructuredOutputKind.REGEX, pattern)
+    grammars.prepare("a", 7, spec)
+    grammars.prepare("bad", 8, _spec(StructuredOutputKind.JSON_SCHEMA, '{"type": "nope"}'))
+    reports = _reports(grammars, 2)
+    assert reports["a"] == (7, None)
+    assert reports["bad"][0] == 8 and 'Unsupported type "nope"' in reports["bad"][1]
+    assert grammars.take_ready() == [] and not grammars.has_unreported
+    grammars.release(["bad"])
+    assert grammars.num_held() == 1
+    held = grammars._held["a"]
+    sim.add("a", [1, 40], SamplingParams(temperature=1.0, seed=3, structured_output=spec))
+    sim.step({"a": 2})
+    sim.finished.append("a")  # preempted: the matcher goes, the held compile stays
+    request = sim.requests["a"]
+    request.sent, request.num_computed_tokens, request.block_ids = False, 0, []
+    sim.step({"a": len(request.token_ids)})
+    assert grammars._grammars["a"].compiled is held
+    while request.token_ids[-1] not in EOS and len(request.token_ids) < 40:
+        sim.step({"a": 1})
+    assert re.fullmatch(pattern, _text(tokenizer, request.token_ids[2:]))
+    grammars.release(["a"])
+    assert grammars.num_held() == 0
+    late = _spec(StructuredOutputKind.REGEX, "[0-9]{1,40}x")
+    grammars.prepare("c", 9, late)
+    grammars.release(["c"])  # aborted while compiling
+    grammars.compilers.compile(late).result(timeout=30)
+    assert grammars.take_ready() == [] and grammars.num_held() == 0
 
 
 def test_apply_token_bitmask_matches_a_per_token_reference():
