@@ -280,6 +280,10 @@ def _validated_config(parser: argparse.ArgumentParser, args: argparse.Namespace)
         config.model.model = tag
     try:
         config.validate()
+        if config.frontend.chat_template is not None:  # a bad template: a usage error
+            from vtllm.frontend.chat_template import load_chat_template
+
+            load_chat_template(config.frontend.chat_template)
     except ValueError as e:
         parser.error(str(e))
     return config

@@ -149,3 +149,16 @@ def test_smollm2_gets_the_shipped_hermes_template(smollm2_dir: Path) -> None:
     plain = tok.encode(tok.render_chat(LOOP[:1]), add_special_tokens=False)
     with_tools = tok.encode(tok.render_chat(LOOP[:1], tools=TOOLS), add_special_tokens=False)
     assert len(with_tools) > len(plain) + 50
+
+
+def test_bad_chat_template_flag_is_a_usage_error(tmp_path: Path, capsys) -> None:
+    from vtllm.cli import main
+
+    for value, words in [
+        (str(tmp_path / "missing.jinja"), "no such file"),
+        ("{% for %}", "not a valid Jinja template"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", "--chat-template", value])
+        assert exc.value.code == 2
+        assert words in capsys.readouterr().err
