@@ -264,6 +264,8 @@ class EngineMachine(RuleBasedStateMachine):
             self.executor.dropped_tokens.add(request_id)
             self.dropped.add(request_id)
             return
+        if self.core.scheduler.requests[request_id].awaiting_grammar:
+            event("aborted while its grammar compiled")
         outputs = self.core.abort([request_id], b"c")
         assert [o.finish_reason for _, o in outputs] == [m.FinishReason.ABORT]
         self._collect(outputs)
