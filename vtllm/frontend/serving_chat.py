@@ -117,7 +117,7 @@ def render_chat_prompt(
             chat_template_kwargs=chat_template_kwargs,
         )
     except ChatTemplateError as e:
-        raise bad_request(str(e), "tools" if "render `tools`" in str(e) else "messages") from None
+        raise bad_request(str(e), e.param) from None
     return text
 
 

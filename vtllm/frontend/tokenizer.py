@@ -38,7 +38,11 @@ logger = logging.getLogger(__name__)
 class ChatTemplateError(ValueError):
     """A chat request the template cannot render (no template, or the template refused).
 
-    The message is meant for the HTTP client (a 400)."""
+    The message is meant for the HTTP client (a 400 whose ``param`` is ``param``)."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _token_content(value: Any) -> str | None:
@@ -265,16 +269,17 @@ class ModelTokenizer:
         """Refuse tools or tool calls the template would silently leave out."""
         features = self.template_features
         if tools and not features.renders_tools:
-            missing = "`tools`"
+            missing, param = "`tools`", "tools"
         elif not features.renders_tool_calls and any(m.get("tool_calls") for m in messages):
-            missing = "assistant `tool_calls`"
+            missing, param = "assistant `tool_calls`", "messages"
         else:
             return
         raise ChatTemplateError(
             f"the chat template ({self.chat_template_origin}) does not render {missing}, so "
             "the model would never see them; start the server with --chat-template FILE (a "
             "template that renders tools, e.g. one of vtllm/frontend/chat_templates/), or "
-            "send the request without them"
+            "send the request without them",
+            param,
         )
 
 
