@@ -297,6 +297,12 @@ class FrontendConfig:
     response_role: str = _opt(
         "assistant", "Role of the generated message in chat completion answers."
     )
+    pooling_type: str = _opt(
+        "last",
+        "/v1/embeddings pooling of the prompt's final hidden states: last (the last "
+        "token's, as Qwen3-Embedding) or mean.",
+        choices=("last", "mean"),
+    )
     allowed_origins: str | None = _opt(
         None,
         "CORS: JSON list of allowed origins (e.g. '[\"*\"]'). Unset: no CORS headers.",

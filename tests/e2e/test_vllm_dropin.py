@@ -52,3 +52,43 @@ def test_vllm_command_line_by_hub_name_offline(dropin_server):
     assert '"POST /v1/completions HTTP/1.1" 200' in log  # the access log is on
     for probe in ("GET /health ", "GET /ping ", "GET /metrics "):
         assert probe not in log, probe  # probes never reach it
+
+
+def test_embeddings(dropin_server):
+    """/v1/embeddings on the served decoder (last-token pooling): batched, token-id and
+    text inputs agree, vectors are unit length, base64 equals the floats, usage counts."""
+    import base64
+    import math
+    import struct
+
+    headers = {"Authorization": "Bearer token-abc123"}
+    url = f"{dropin_server.url}/v1/embeddings"
+    texts = ["The capital of France is Paris.", "Bonjour"]
+    r = httpx.post(url, json={"model": REPO, "input": texts}, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    vectors = [d["embedding"] for d in body["data"]]
+    assert [d["index"] for d in body["data"]] == [0, 1]
+    assert len(vectors[0]) == 576  # SmolLM2-135M's hidden size
+    for v in vectors:
+        assert abs(math.sqrt(sum(x * x for x in v)) - 1.0) < 1e-4
+    assert max(abs(a - b) for a, b in zip(*vectors, strict=True)) > 1e-3  # inputs differ
+
+    ids = httpx.post(
+        f"{dropin_server.url}/tokenize", json={"prompt": texts[0]}, headers=headers, timeout=10
+    ).json()["tokens"]
+    assert body["usage"]["prompt_tokens"] >= len(ids)
+    r = httpx.post(
+        url, json={"input": ids, "encoding_format": "base64"}, headers=headers, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    raw = base64.b64decode(r.json()["data"][0]["embedding"])
+    alone = struct.unpack(f"<{len(raw) // 4}f", raw)
+    assert r.json()["usage"] == {"prompt_tokens": len(ids), "total_tokens": len(ids)}
+    assert max(abs(a - b) for a, b in zip(alone, vectors[0], strict=True)) < 1e-3
+
+    client = openai.OpenAI(base_url=f"{dropin_server.url}/v1", api_key="token-abc123")
+    sdk = client.embeddings.create(model=REPO, input=texts[1])  # the SDK asks for base64
+    assert max(abs(a - b) for a, b in zip(sdk.data[0].embedding, vectors[1], strict=True)) < 1e-3
+    bad = httpx.post(url, json={"input": [[1, "x"]]}, headers=headers, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"

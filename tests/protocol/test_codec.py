@@ -84,13 +84,13 @@ def test_every_message_round_trips(messages, decoder):
 
 def test_golden_bytes_of_add_request():
     message = m.AddRequest("r1", [1, 2], m.SamplingParams(temperature=0.0, max_tokens=5))
-    # [tag "add", "r1", [1, 2], params [15 fields], arrival_time, priority, cache_salt]
+    # [tag "add", "r1", [1, 2], params [16 fields], arrival_time, priority, cache_salt]
     assert codec.encode(message).hex() == (
         "97"
         "a3616464"
         "a27231"
         "920102"
-        "9f"
+        "dc0010"  # array16 of 16
         "cb0000000000000000"
         "cb3ff0000000000000"
         "00"
@@ -106,6 +106,7 @@ def test_golden_bytes_of_add_request():
         "c0"
         "80"
         "c0"  # structured_output: None
+        "00"  # pooling: NONE
         "cb0000000000000000"
         "00"
         "c0"
@@ -116,8 +117,9 @@ def test_golden_bytes_of_engine_outputs():
     message = m.EngineOutputs([m.RequestOutput("a", [7], m.FinishReason.LENGTH)])
     # finish_reason LENGTH travels as the int 1
     assert codec.encode(message).hex() == (
-        # [tag, [RequestOutput: 14 fields, duplicate_id false last], stats nil, timestamp]
-        "94a76f757470757473919ea161910701c0c00000c0c0c0c0c0c0c2c0cb0000000000000000"
+        # [tag, [RequestOutput: 15 fields, duplicate_id false, embedding nil last], stats
+        # nil, timestamp]
+        "94a76f757470757473919fa161910701c0c00000c0c0c0c0c0c0c2c0c0cb0000000000000000"
     )
 
 

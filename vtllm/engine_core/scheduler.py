@@ -338,6 +338,7 @@ class Scheduler:
                 [logprobs[i]] if logprobs is not None else None,
                 [top_logprobs[i]] if top_logprobs is not None else None,
             )
+            output.embedding = result.embeddings.get(request_id)  # pooling requests
             if is_first_token and request.first_scheduled_time is not None:
                 output.queue_time_s = request.first_scheduled_time - request.received_time
                 output.prefill_time_s = time.monotonic() - request.first_scheduled_time

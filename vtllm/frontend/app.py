@@ -60,6 +60,7 @@ from vtllm.frontend.request_defaults import (
 from vtllm.frontend.serving_chat import create_chat_completion
 from vtllm.frontend.serving_completion import create_completion
 from vtllm.frontend.serving_context import ServingContext, json_response, now_s
+from vtllm.frontend.serving_embedding import POOLING_TYPES, create_embedding
 from vtllm.frontend.serving_tokenize import detokenize, tokenize
 from vtllm.frontend.tokenizer import ModelTokenizer
 from vtllm.protocol import transport
@@ -177,6 +178,7 @@ def build_context(
         reasoning_parser=config.frontend.reasoning_parser,
         max_choices_per_request=config.frontend.max_choices_per_request,
         response_role=config.frontend.response_role,
+        pooling_type=POOLING_TYPES[config.frontend.pooling_type],
     )
 
 
@@ -307,6 +309,7 @@ def build_app(
     routes = [
         Route("/v1/chat/completions", endpoint(create_chat_completion, "chat"), methods=["POST"]),
         Route("/v1/completions", endpoint(create_completion, "completion"), methods=["POST"]),
+        Route("/v1/embeddings", endpoint(create_embedding), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", model_by_id, methods=["GET"]),
         Route("/tokenize", endpoint(tokenize), methods=["POST"]),

@@ -21,6 +21,7 @@ from vtllm.frontend.openai_types import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from vtllm.frontend.serving_embedding import EmbeddingRequest
 
 _REF = "#/components/schemas/{name}"
 
@@ -30,6 +31,8 @@ _SCHEMA_TYPES: tuple[type, ...] = (
     TokenizeCompletionRequest,
     TokenizeChatRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
+    rt.EmbeddingResponse,
     rt.ChatCompletionResponse,
     rt.ChatCompletionChunk,
     rt.CompletionResponse,
@@ -115,6 +118,14 @@ def _tighten_requests(components: dict[str, Any], vocab_size: int) -> None:
         stop_ids = components[name]["properties"]["stop_token_ids"]
         stop_ids["anyOf"][0]["items"] = token_id
     components["DetokenizeRequest"]["properties"]["tokens"]["items"] = token_id
+    embedding_input = components["EmbeddingRequest"]["properties"]["input"]
+    embedding_input.clear()
+    embedding_input["anyOf"] = [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        token_ids,
+        {"type": "array", "items": token_ids, "minItems": 1},
+    ]
 
 
 def openapi_document(version: str, api_key_required: bool, vocab_size: int) -> dict[str, Any]:
@@ -138,6 +149,20 @@ def openapi_document(version: str, api_key_required: bool, vocab_size: int) -> d
             rt.CompletionResponse,
             protected,
         ),
+        "/v1/embeddings": {
+            "post": {
+                "summary": "Embeddings: the model's pooled final hidden states (--pooling-type)",
+                "requestBody": {"required": True, "content": _json(_ref(EmbeddingRequest))},
+                "responses": {
+                    "200": {
+                        "description": "One L2-normalised vector per input",
+                        "content": _json(_ref(rt.EmbeddingResponse)),
+                    },
+                    **_errors(400, 401, 404, 413, 503),
+                },
+                **_security(protected),
+            }
+        },
         "/v1/models": {
             "get": {
                 "summary": "The served model, with its max_model_len",

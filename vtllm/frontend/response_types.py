@@ -189,3 +189,24 @@ class DetokenizeResponse(_Response):
 
 class VersionResponse(_Response):
     version: str
+
+
+# -- embeddings ------------------------------------------------------------------------
+
+
+class Embedding(_Response):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32
+
+
+class EmbeddingUsage(_Response):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Response):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage

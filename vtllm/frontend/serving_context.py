@@ -21,6 +21,7 @@ from vtllm.frontend.generation import ChoiceDelta
 from vtllm.frontend.openai_types import OpenAIError, clip
 from vtllm.frontend.tokenizer import ModelTokenizer
 from vtllm.protocol.async_client import EngineClient
+from vtllm.protocol.messages import PoolingType
 
 T = TypeVar("T")
 
@@ -42,6 +43,7 @@ class ServingContext:
     tool_call_parser: str | None = None  # --tool-call-parser, or detected from the template
     reasoning_parser: str | None = None  # --reasoning-parser
     response_role: str = "assistant"  # --response-role: the role of generated chat messages
+    pooling_type: PoolingType = PoolingType.LAST  # --pooling-type (/v1/embeddings)
     max_choices_per_request: int = 256  # --max-choices-per-request
     drain: Drain = field(default_factory=Drain)  # graceful stop (drain.py)
 

@@ -71,6 +71,15 @@ class StructuredOutputKind(enum.IntEnum):
     GRAMMAR = 4  # an EBNF grammar (xgrammar/GBNF syntax) whose start rule is ``root``
 
 
+class PoolingType(enum.IntEnum):
+    """Embedding requests (``/v1/embeddings``): which final hidden states the worker pools
+    into the request's ``RequestOutput.embedding``. Sent as an int on the wire."""
+
+    NONE = 0  # a generation request
+    LAST = 1  # the last prompt token's final hidden state
+    MEAN = 2  # the mean over every prompt token (needs the whole prompt computed)
+
+
 class StructuredOutputSpec(_Part):
     """Constrains the output to a format: before each sampled token, the worker masks
     every token the format's grammar does not allow (``vtllm/worker/grammar.py``); EOS
@@ -112,6 +121,7 @@ class SamplingParams(_Part):
     logprobs: int | None = None  # None = none; 0 = chosen token only; N = plus top-N
     logit_bias: dict[int, float] = {}  # token id → added to its logit before sampling
     structured_output: StructuredOutputSpec | None = None  # None = free text
+    pooling: PoolingType = PoolingType.NONE  # embeddings: pool the prompt's hidden states
 
 
 class SchedulerStats(_Part):
@@ -220,6 +230,8 @@ class RequestOutput(_Part):
     # it answers only that add; the live request is untouched and goes on (its own
     # outputs never carry this flag). A client must not route it to the live request.
     duplicate_id: bool = False
+    # a pooling request's pooled hidden state (SamplingParams.pooling), on its first output
+    embedding: list[float] | None = None
 
 
 class EngineOutputs(_Message, tag="outputs"):
@@ -333,6 +345,8 @@ class ModelRunnerOutput(_Message, tag="step_result"):
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # per-request failures (the request ends with FinishReason.ERROR, the rest go on)
     errors: dict[str, str] = {}
+    # pooling requests whose prompt completed this step: the pooled final hidden state
+    embeddings: dict[str, list[float]] = {}
 
 
 class WorkerFailure(_Message, tag="worker_failure"):

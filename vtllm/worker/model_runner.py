@@ -31,6 +31,7 @@ from vtllm.worker.loader.safetensors_loader import load_safetensors
 from vtllm.worker.models import build_model
 from vtllm.worker.models.llama import KVCache
 from vtllm.worker.platform import Platform
+from vtllm.worker.pooling import Pooler
 from vtllm.worker.sampler import Sampler, SamplingBatch, TokenHistory, advance_generator
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids)
         self.token_history = TokenHistory(vocab_size, device)  # for penalties
         self.states = RequestStates(self._make_generator)
+        self.pooler = Pooler()  # embeddings (pooling requests)
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
         self.attention_backend = attention_backend(device)
@@ -169,22 +171,30 @@ class ModelRunner:
             self.states.drop(request_id)
         self.token_history.retain(self.states)
         self._track_grammars(step)
+        self.pooler.on_step(step)
         sampled: dict[str, Any] = {}
+        embeddings: dict[str, list[float]] = {}
         if batch.num_tokens:
-            logits = self._forward_logits(batch)  # [num_sampling, vocab]
+            logits, hidden = self._forward_logits(batch)  # [num_sampling, vocab]
+            if self.is_driver and self.pooler.wanted(batch, self.states):
+                embeddings = self.pooler.pool(batch, hidden, self.states)
             if self.is_driver and batch.sample_rows:
                 sampled = self._sample(batch, logits, errors)
         if not self.is_driver:
             return None
-        return _make_output(step.step_id, batch, sampled, errors)
+        output = _make_output(step.step_id, batch, sampled, errors)
+        output.embeddings = embeddings
+        return output
 
-    def _forward_logits(self, batch: StepBatch) -> torch.Tensor:
+    def _forward_logits(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits of the sampling rows, the final hidden states of every computed token:
+        ``[num_tokens, hidden]``, or ``[num_reqs (padded), hidden]`` from decode graphs)."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             hidden = self.decode_graphs.run(batch)  # [num_reqs, hidden]
             if len(batch.sample_rows) == len(batch.request_ids):
-                return self.model.compute_logits(hidden)
+                return self.model.compute_logits(hidden), hidden
             rows = torch.from_numpy(batch.logits_indices).to(self.device)
-            return self.model.compute_logits(hidden.index_select(0, rows))
+            return self.model.compute_logits(hidden.index_select(0, rows)), hidden
         metadata = build_attention_metadata(
             batch.query_lens,
             batch.seq_lens,
@@ -197,7 +207,7 @@ class ModelRunner:
         positions = torch.from_numpy(batch.positions).to(self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
         logits_indices = torch.from_numpy(batch.logits_indices).to(self.device)
-        return self.model.compute_logits(hidden.index_select(0, logits_indices))
+        return self.model.compute_logits(hidden.index_select(0, logits_indices)), hidden
 
     def grammars(self) -> StructuredOutputs:
         """The driver's grammar state, created (compiler threads started) at first use."""
