@@ -51,3 +51,29 @@ def test_pooled_states_match_transformers(tiny, chunks):
     mean = torch.tensor(embeddings["pool-MEAN"])
     torch.testing.assert_close(last, reference[-1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(mean, reference.mean(dim=0), rtol=1e-4, atol=1e-4)
+
+
+def test_qwen3_embedding_shaped_checkpoint(tmp_path):
+    """A Qwen3-Embedding-shaped checkpoint (Qwen3Model weights without the "model." prefix,
+    tied embeddings, config.json saying Qwen3ForCausalLM) loads, and last-token pooling
+    equals transformers' last_hidden_state."""
+    import json
+
+    import transformers
+
+    from .tiny_models import hf_config
+
+    torch.manual_seed(0)
+    bare = transformers.AutoModel.from_config(hf_config("qwen3"), dtype=torch.float32).eval()
+    bare.save_pretrained(tmp_path, safe_serialization=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["Qwen3ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        reference = bare(torch.tensor([PROMPT])).last_hidden_state[0]  # [len, hidden]
+    sim = _sim(tmp_path)
+    sim.add("e", PROMPT, SamplingParams(max_tokens=1, pooling=PoolingType.LAST))
+    out = sim.step({"e": len(PROMPT)})
+    torch.testing.assert_close(
+        torch.tensor(out.embeddings["e"]), reference[-1], rtol=1e-4, atol=1e-4
+    )

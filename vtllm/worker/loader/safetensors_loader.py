@@ -55,6 +55,10 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
             continue
         param_name, shard_id = map_name(name) or _map_name(name, packed)
         param = params.get(param_name)
+        if param is None and f"model.{param_name}" in params:
+            # a bare decoder's checkpoint (Qwen3-Embedding: Qwen3Model, no "model." prefix)
+            param_name = f"model.{param_name}"
+            param = params[param_name]
         if param is None:
             if _is_tied_alias(model, param_name):
                 continue
