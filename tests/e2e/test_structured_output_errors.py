@@ -41,3 +41,12 @@ def test_an_uncompilable_schema_is_a_400_and_a_stream_error_event(server, model)
     response = httpx.post(url, json=_body(schema, model=model, max_tokens=4), timeout=60)
     assert response.status_code == 200, response.text
     assert 1 <= int(response.json()["choices"][0]["message"]["content"]) <= 5
+
+
+def test_a_regex_this_vocabulary_cannot_continue_is_a_400(server, model):
+    """SmolLM2 has no token for the byte 0xF2, so no output can start U+A21E9 (the HTTP
+    fuzzer found this as a 500: an empty mask, then a token the grammar refused)."""
+    body = {"messages": QUESTION, "max_tokens": 8, "guided_regex": "\U000a21e9"}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "allows no token of this model's vocabulary" in response.json()["error"]["message"]

@@ -287,10 +287,44 @@ def test_invalid_spec_fails_only_its_request(shared_runner):
         ),
         "good": SamplingParams(max_tokens=3),
     }
-    outputs, errors = _generate(sim, requests, max_tokens=3)
+    invalid: list[str] = []
+    execute = sim.execute
+
+    def recording(step):
+        output = execute(step)
+        invalid.extend(output.invalid_request_ids)
+        return output
+
+    sim.execute = recording
+    try:
+        outputs, errors = _generate(sim, requests, max_tokens=3)
+    finally:
+        sim.execute = execute
     assert list(errors) == ["bad"]
     assert "invalid json_schema" in errors["bad"] and "nope" in errors["bad"]
+    assert invalid == ["bad"]  # the request's own fault: INVALID_REQUEST (HTTP 400)
     assert len(outputs["good"]) == 3
+
+
+def test_a_format_no_token_can_continue_fails_as_the_requests_fault(smollm2_dir):
+    """SmolLM2's byte-level vocabulary has no token for the bytes 0xF1/0xF2, so a regex
+    for U+A21E9 reaches a state no token continues (found by the HTTP fuzzer: the empty
+    mask let the sampler draw token 0, which the grammar refused → a 500). That row fails
+    with a message naming the cause; the other rows keep their masks."""
+    from vtllm.worker.grammar import GrammarCompilerService, StructuredOutputs
+
+    service = GrammarCompilerService(smollm2_dir, 49152, [2])
+    try:
+        grammars = StructuredOutputs(service)
+        grammars.add("dead-end", _spec(StructuredOutputKind.REGEX, "\U000a21e9"))
+        grammars.add("fine", _spec(StructuredOutputKind.REGEX, "[a-z]+"))
+        bitmask, errors = grammars.bitmask([("dead-end", [1, 2], 2), ("fine", [1, 2], 2)])
+    finally:
+        service.shutdown()
+    assert list(errors) == ["dead-end"]
+    assert "allows no token of this model's vocabulary" in errors["dead-end"]
+    assert bitmask is not None and bitmask.rows == [1] and bitmask.bitmask.shape[0] == 1
+    assert bool(bitmask.bitmask.ne(0).any())
 
 
 def _reports(grammars, count: int, deadline_s: float = 30.0) -> dict:

@@ -343,13 +343,20 @@ class Scheduler:
                 output.queue_time_s = request.first_scheduled_time - request.received_time
                 output.prefill_time_s = time.monotonic() - request.first_scheduled_time
             outputs.append((request, output))
+        invalid = set(result.invalid_request_ids)
         for request_id, error in result.errors.items():
             request = self.requests.get(request_id)
             if request is None or request.status.is_finished:
                 continue
-            request.error = f"the model failed on this request: {error}"
+            if request_id in invalid:
+                request.error = f"the requested output format cannot go on: {error}"
+            else:
+                request.error = f"the model failed on this request: {error}"
             self.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
-            outputs.append((request, self._output(request, [])))
+            output = self._output(request, [])
+            if request_id in invalid:
+                output.error_code = m.ErrorCode.INVALID_REQUEST
+            outputs.append((request, output))
         answered = set(result.request_ids) | set(result.errors)
         for request_id in sorted(step.due_token_ids - answered):
             request = self.requests.get(request_id)

@@ -347,6 +347,9 @@ class ModelRunnerOutput(_Message, tag="step_result"):
     errors: dict[str, str] = {}
     # pooling requests whose prompt completed this step: the pooled final hidden state
     embeddings: dict[str, list[float]] = {}
+    # the ids in ``errors`` that failed on their own input (an output format that this
+    # vocabulary cannot continue): INVALID_REQUEST, HTTP 400, not a model failure
+    invalid_request_ids: list[str] = []
 
 
 class WorkerFailure(_Message, tag="worker_failure"):

@@ -256,7 +256,23 @@ class StructuredOutputs:
         buffer = self._buffer(len(masked))
         for i, (_, grammar) in enumerate(masked):
             grammar.matcher.fill_next_token_bitmask(buffer, i)
-        return GrammarBitmask([row for row, _ in masked], buffer[: len(masked)]), errors
+        bitmask = buffer[: len(masked)]  # [rows, ceil(vocab / 32)] int32, on the host
+        allows_any = bitmask.ne(0).any(dim=1).tolist()
+        if not all(allows_any):  # a dead end: sampling would draw a token it refuses
+            for i, (_, grammar) in enumerate(masked):
+                if not allows_any[i]:
+                    request_id = rows[masked[i][0]][0]
+                    errors[request_id] = (
+                        f"after {grammar.num_seen} output tokens the format allows no "
+                        "token of this model's vocabulary (it asks for text this tokenizer "
+                        "cannot produce); simplify the regex, schema or grammar"
+                    )
+                    del self._grammars[request_id]
+            masked = [pair for i, pair in enumerate(masked) if allows_any[i]]
+            bitmask = bitmask[torch.tensor(allows_any)]
+            if not masked:
+                return None, errors
+        return GrammarBitmask([row for row, _ in masked], bitmask), errors
 
     def _advance(self, grammar: _RequestGrammar, outputs: list[int]) -> bool:
         """Feed the outputs not seen yet; True when the next token is under the grammar."""

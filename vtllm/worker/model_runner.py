@@ -173,17 +173,19 @@ class ModelRunner:
         self._track_grammars(step)
         self.pooler.on_step(step)
         sampled: dict[str, Any] = {}
+        invalid: set[str] = set()  # requests whose output format failed (their own input)
         embeddings: dict[str, list[float]] = {}
         if batch.num_tokens:
             logits, hidden = self._forward_logits(batch)  # [num_sampling, vocab]
             if self.is_driver and self.pooler.wanted(batch, self.states):
                 embeddings = self.pooler.pool(batch, hidden, self.states)
             if self.is_driver and batch.sample_rows:
-                sampled = self._sample(batch, logits, errors)
+                sampled = self._sample(batch, logits, errors, invalid)
         if not self.is_driver:
             return None
         output = _make_output(step.step_id, batch, sampled, errors)
         output.embeddings = embeddings
+        output.invalid_request_ids = sorted(invalid)
         return output
 
     def _forward_logits(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,9 +233,14 @@ class ModelRunner:
             self.structured.retain(self.states)
 
     def _sample(
-        self, batch: StepBatch, logits: torch.Tensor, errors: dict[str, str]
+        self,
+        batch: StepBatch,
+        logits: torch.Tensor,
+        errors: dict[str, str],
+        invalid: set[str],
     ) -> dict[str, Any]:
-        """Sample every row; a row whose grammar fails gets its error in ``errors``."""
+        """Sample every row; a row whose grammar fails gets its error in ``errors`` and its
+        id in ``invalid`` (the request's output format is at fault, not the model)."""
         states = [self.states.get(batch.request_ids[row]) for row in batch.sample_rows]
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
         sampling_batch = SamplingBatch.from_requests(
@@ -249,6 +256,7 @@ class ModelRunner:
             for request_id in grammar_errors:
                 self.states.drop(request_id)
             errors.update(grammar_errors)
+            invalid.update(grammar_errors)
         out = self.sampler(logits, sampling_batch)
         result: dict[str, Any] = {"ids": out.sampled.tolist()}
         if out.logprobs is not None:
