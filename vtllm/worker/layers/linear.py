@@ -17,6 +17,19 @@ from torch import nn
 from vtllm.worker.distributed import TPGroup, divide
 
 
+class LinearMethod:
+    """How a linear layer multiplies, when its weight is not a plain dense tensor.
+
+    Quantised formats (FP8 on GPUs, int8 on CPUs) set ``layer.linear_method`` after the
+    weights are loaded (``process_weights``) and keep their own tensors on the layer. The
+    bias and the tensor-parallel reduction stay with the layer.
+    """
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``x [num_tokens, in] -> [num_tokens, out]`` without bias."""
+        raise NotImplementedError
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     """Copy a replicated tensor whole, converting dtype; shapes must match."""
     if param.shape != loaded.shape:
@@ -50,6 +63,7 @@ class ColumnParallelLinear(nn.Module):
         self.local_sizes = [divide(s, tp.size, "output size") for s in output_sizes]
         self.shard_ids = shard_ids or list(range(len(output_sizes)))
         self.weight = _empty_param(sum(self.local_sizes), input_size)
+        self.linear_method: LinearMethod | None = None
         self.weight.weight_loader = self.weight_loader
         self.bias = _empty_param(sum(self.local_sizes)) if bias else None
         if self.bias is not None:
@@ -73,7 +87,10 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [num_tokens, local_out]
+        if self.linear_method is None:
+            return F.linear(x, self.weight, self.bias)  # [num_tokens, local_out]
+        y = self.linear_method.apply(self, x)
+        return y if self.bias is None else y + self.bias
 
 
 class RowParallelLinear(nn.Module):
@@ -88,6 +105,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.local_input_size = divide(input_size, tp.size, "input size")
         self.weight = _empty_param(output_size, self.local_input_size)
+        self.linear_method: LinearMethod | None = None
         self.weight.weight_loader = self.weight_loader
         self.bias = _empty_param(output_size) if bias else None
         if self.bias is not None:
@@ -103,5 +121,10 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))  # [num_tokens, output_size]
+        partial = (
+            F.linear(x, self.weight)
+            if self.linear_method is None
+            else self.linear_method.apply(self, x)
+        )  # [num_tokens, output_size]
+        y = self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias
