@@ -27,7 +27,8 @@ from vtllm.worker.grammar import GrammarCompilerService, StructuredOutputs
 from vtllm.worker.input_batch import RequestStates, StepBatch
 from vtllm.worker.loader.hf_config import eos_token_ids as read_eos_token_ids
 from vtllm.worker.loader.hf_config import load_hf_config
-from vtllm.worker.loader.safetensors_loader import load_safetensors
+from vtllm.worker.loader.host_memory import HostPeak, HostPeakWindow
+from vtllm.worker.loader.safetensors_loader import LoadStats, load_safetensors
 from vtllm.worker.models import build_model
 from vtllm.worker.models.llama import KVCache
 from vtllm.worker.platform import Platform
@@ -71,6 +72,9 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
         self.tokenizer_dir = tokenizer_dir
         self.structured: StructuredOutputs | None = None  # on the driver, at first use
+        # set by from_model_dir: host RSS while building + loading, and what was read
+        self.load_host_peak: HostPeak | None = None
+        self.load_stats: LoadStats | None = None  # None for random (dummy) weights
 
     @classmethod
     def from_model_dir(
@@ -86,19 +90,30 @@ class ModelRunner:
         """Build the model from ``config.json`` and load its safetensors (``load_format``
         ``dummy``: random weights instead, seeded by ``seed``); rank 0 drives.
         ``max_model_len`` beyond the model's ``max_position_embeddings`` (allowed by
-        VT_ALLOW_LONG_MAX_MODEL_LEN): the position tables cover it."""
+        VT_ALLOW_LONG_MAX_MODEL_LEN): the position tables cover it. The runner records
+        the host RSS peak over building and loading (``load_host_peak``)."""
         tp = tp or TPGroup()
         hf_config = load_hf_config(model_dir)
         if max_model_len and max_model_len > hf_config.get("max_position_embeddings", 0):
             hf_config = {**hf_config, "max_position_embeddings": max_model_len}
-        model = build_model(hf_config, device, dtype, tp)
+        host_window = HostPeakWindow()
+        model = build_model(hf_config, device, dtype, tp)  # parameters allocated on device
+        stats = None
         if load_format == "dummy":
             init_dummy_weights(model, seed)
         else:
-            load_safetensors(model, model_dir)
+            stats = load_safetensors(model, model_dir)
+        host_peak = host_window.close()
         eos_ids = read_eos_token_ids(model_dir, hf_config)
         vocab_size = hf_config["vocab_size"]
-        return cls(model, device, dtype, vocab_size, seed, tp.rank == 0, eos_ids, model_dir)
+        runner = cls(model, device, dtype, vocab_size, seed, tp.rank == 0, eos_ids, model_dir)
+        runner.load_host_peak, runner.load_stats = host_peak, stats
+        return runner
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's parameters and buffers (tied ones once), on its device."""
+        tensors = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     # -- KV cache -------------------------------------------------------------------
 
@@ -327,7 +342,9 @@ def _make_output(
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Random weights of the right shapes: N(0, std) for matrices, 1 for norm weights
-    (so activations stay in range and benchmarks exercise realistic numerics)."""
+    (so activations stay in range and benchmarks exercise realistic numerics). Filled in
+    place where the parameters live (on the GPU: a device generator; the host holds
+    nothing)."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if param.dim() == 1:

@@ -123,6 +123,7 @@ def _serve(
         config.model.max_model_len,
     )
     logger.info("loaded %s (%s) in %.1fs", model_dir, dtype, time.monotonic() - started)
+    _log_weights_loaded(runner, platform, rank, world_size)
     attn = runner.model.model.layers[0].self_attn
     name = config.model.default_served_name(model_dir)
     facts = model_facts(model_dir, hf_config, name, attn.num_kv_heads, attn.head_dim, dtype)
@@ -199,6 +200,29 @@ def _report_grammars(socket: zmq.Socket, runner: ModelRunner) -> bool:
     for request_id, seq, error in grammars.take_ready():
         socket.send(codec.encode(m.GrammarReady(request_id=request_id, seq=seq, error=error)))
     return grammars.has_unreported
+
+
+def _log_weights_loaded(runner: ModelRunner, platform: Platform, rank: int, world: int) -> None:
+    """Weight bytes on this rank's device (on a GPU: what torch holds there after loading,
+    quantised layers' own tensors included) and the host RSS peak while loading."""
+    on_device = platform.memory_allocated() if platform.is_gpu else runner.weight_bytes()
+    stats = runner.load_stats
+    read = (
+        f"{stats.checkpoint_bytes / 2**30:.2f} GiB read from {stats.num_tensors} tensors in "
+        f"{stats.num_files} files (largest {stats.largest_tensor_bytes / 2**20:.0f} MiB)"
+        if stats is not None
+        else "random weights (--load-format dummy)"
+    )
+    host = runner.load_host_peak.describe() if runner.load_host_peak else "host RSS unknown"
+    logger.info(
+        "weights: %.2f GiB on %s (rank %d of %d); %s; %s",
+        on_device / 2**30,
+        platform.device,
+        rank,
+        world,
+        read,
+        host,
+    )
 
 
 def _log_phase(what: str, started: float) -> None:

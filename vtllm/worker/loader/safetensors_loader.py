@@ -1,40 +1,75 @@
 """Stream weights from a HF-style directory of ``*.safetensors`` into a built model.
 
-Tensors are read one at a time (sharded files, any of bf16/fp16/fp32), renamed through
-the model's ``packed_modules_mapping`` and handed to each parameter's ``weight_loader``,
-which copies this rank's part and converts to the parameter's dtype. Peak extra memory
-is one checkpoint tensor.
+Shard by shard, tensor by tensor: each file is memory-mapped (``safetensors_file``), each
+tensor handed out as a zero-copy view of the mapping, renamed through the model's
+``packed_modules_mapping`` and given to its parameter's ``weight_loader``, which copies this
+rank's part straight into the parameter (on its device: parameters are allocated there,
+never on the host first) and converts the dtype. A loader that narrows rows touches only
+this rank's pages. Once a tensor's loader returns, its pages leave this process's resident
+set, so the host cost of loading is one checkpoint tensor whatever the model's size; no
+list or dict of tensors is ever built. ``LoadStats`` counts what was read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from vtllm.worker.layers.linear import default_weight_loader
+from vtllm.worker.loader.safetensors_file import MappedSafetensors, SafetensorsFormatError
 
 
 class WeightLoadError(RuntimeError):
     """The checkpoint does not match the model (missing, unexpected or misshapen tensors)."""
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor of every ``*.safetensors`` file, sorted by file."""
+@dataclass
+class LoadStats:
+    """What ``load_safetensors`` read: tensors, their checkpoint bytes, the largest one
+    (the bound on the loader's own host memory), and the files."""
+
+    num_files: int = 0
+    num_tensors: int = 0
+    checkpoint_bytes: int = 0
+    largest_tensor_bytes: int = 0
+
+
+def iter_safetensors(
+    model_dir: str | Path, stats: LoadStats | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of every ``*.safetensors`` file, files in name
+    order, tensors in file order. Each tensor is a view of the mapped file, read as it is
+    touched; when the consumer asks for the next one, the previous one's pages are released
+    (a view kept past that stays valid: it refaults from the file). ``stats`` is updated
+    as tensors go by."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise WeightLoadError(f"no *.safetensors files in {model_dir}")
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, f.get_tensor(name)
+        try:
+            mapped = MappedSafetensors(path)
+        except SafetensorsFormatError as e:
+            raise WeightLoadError(str(e)) from e
+        with mapped:
+            if stats is not None:
+                stats.num_files += 1
+            for name in mapped.names():
+                tensor = mapped.tensor(name)
+                if stats is not None:
+                    num_bytes = mapped.entries[name].num_bytes
+                    stats.num_tensors += 1
+                    stats.checkpoint_bytes += num_bytes
+                    stats.largest_tensor_bytes = max(stats.largest_tensor_bytes, num_bytes)
+                yield name, tensor
+                mapped.release(name)  # the consumer is done: its pages leave our RSS
 
 
-def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
-    """Fill every parameter of ``model`` from ``model_dir``.
+def load_safetensors(model: nn.Module, model_dir: str | Path) -> LoadStats:
+    """Fill every parameter of ``model`` from ``model_dir``; returns what was read.
 
     Raises ``WeightLoadError`` listing missing and unexpected tensors (and shape errors).
     Parameters shared by tying (the LM head of tied-embedding models) count as loaded
@@ -50,7 +85,8 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
     loaded: set[tuple[str, str | int | None]] = set()
     unexpected: list[str] = []
     problems: list[str] = []
-    for name, tensor in iter_safetensors(model_dir):
+    stats = LoadStats()
+    for name, tensor in iter_safetensors(model_dir, stats):
         if name.endswith(ignored):
             continue
         param_name, shard_id = map_name(name) or _map_name(name, packed)
@@ -85,6 +121,7 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
         if problems:
             parts.append("; ".join(problems[:20]))
         raise WeightLoadError("; ".join(parts))
+    return stats
 
 
 def _map_name(name: str, packed: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:
