@@ -130,6 +130,15 @@ class ModelConfig:
         "configured shapes (benchmarks and tests; only config.json is read).",
         choices=("auto", "dummy"),
     )
+    quantization: str | None = _opt(
+        None,
+        "Weight quantisation. Unset: the checkpoint's own (config.json quantization_config: "
+        "fp8 e4m3 with per-tensor weight_scale or 128x128 weight_scale_inv blocks, "
+        "compressed-tensors fp8), else none. fp8: quantise a bf16/fp32 checkpoint (or "
+        "dummy weights) to e4m3 at load, one scale per output channel; activations get "
+        "per-token scales at run time.",
+        choices=("fp8",),
+    )
 
     enforce_eager: bool = _opt(
         False,
@@ -408,6 +417,10 @@ class VtllmConfig:
         ):
             if value < 1:
                 problems.append(f"{flag} must be >= 1, got {value}")
+        if self.model.quantization not in (None, "fp8"):
+            problems.append(
+                f"--quantization {self.model.quantization!r} is not supported; supported: fp8"
+            )
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             problems.append(f"--max-model-len must be >= 1, got {self.model.max_model_len}")
         if self.engine.shutdown_timeout < 0:

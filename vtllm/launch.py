@@ -55,7 +55,9 @@ def resolve_model(config: VtllmConfig) -> str:
         model_dir = str(resolve_model_dir(name, envs.VT_CACHE_DIR, progress=logger.info))
     except (FileNotFoundError, NotImplementedError) as e:
         raise StartupError(str(e).splitlines()[0]) from None
-    check_model_config(read_model_config(model_dir), model_dir, model.max_model_len)
+    check_model_config(
+        read_model_config(model_dir), model_dir, model.max_model_len, model.quantization
+    )
     if model.trust_remote_code:
         logger.info(
             "--trust-remote-code is not needed: vtllm never runs code from a checkpoint "

@@ -90,16 +90,27 @@ def model_context_len(hf_config: dict[str, Any]) -> int | None:
 
 
 def check_model_config(
-    hf_config: dict[str, Any], model_dir: str, max_model_len: int | None
+    hf_config: dict[str, Any],
+    model_dir: str,
+    max_model_len: int | None,
+    quantization: str | None = None,
 ) -> None:
-    """Refuse an architecture no worker builds, and a ``--max-model-len`` above the
-    model's context unless VT_ALLOW_LONG_MAX_MODEL_LEN is set (then a warning)."""
+    """Refuse an architecture no worker builds, a quantisation no worker runs
+    (``--quantization`` or the checkpoint's ``quantization_config``), and a
+    ``--max-model-len`` above the model's context unless VT_ALLOW_LONG_MAX_MODEL_LEN is set
+    (then a warning)."""
+    from vtllm.worker.loader.quant_config import resolve_quantization  # plain Python
+
     architectures = hf_config.get("architectures") or ["LlamaForCausalLM"]
     if architectures[0] not in SUPPORTED_ARCHITECTURES:
         raise StartupError(
             f"{model_dir}: architecture {architectures[0]!r} is not supported; vtllm serves "
             + ", ".join(SUPPORTED_ARCHITECTURES)
         )
+    try:
+        resolve_quantization(hf_config, quantization)
+    except ValueError as e:
+        raise StartupError(f"{model_dir}: {e}") from None
     context = model_context_len(hf_config)
     if max_model_len is None or context is None or max_model_len <= context:
         return

@@ -109,12 +109,16 @@ def hf_config(kind: str):
     raise ValueError(kind)
 
 
-def make_hf_model(kind: str, out_dir: Path, seed: int = 0):
-    """Random fp32 model saved to ``out_dir``; returns the transformers model (eval)."""
+def make_hf_model(kind: str, out_dir: Path, seed: int = 0, **overrides):
+    """Random fp32 model saved to ``out_dir``; returns the transformers model (eval).
+    ``overrides`` replace attributes of ``hf_config(kind)`` (e.g. ``moe_intermediate_size``)."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32)
+    config = hf_config(kind)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # give norms and biases non-trivial values
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith("bias"):

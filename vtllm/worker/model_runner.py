@@ -25,13 +25,15 @@ from vtllm.worker.decode_graphs import DecodeGraphs, capture_sizes
 from vtllm.worker.distributed import TPGroup
 from vtllm.worker.grammar import GrammarCompilerService, StructuredOutputs
 from vtllm.worker.input_batch import RequestStates, StepBatch
+from vtllm.worker.layers.fp8 import finish_fp8, prepare_fp8_checkpoint
 from vtllm.worker.loader.hf_config import eos_token_ids as read_eos_token_ids
 from vtllm.worker.loader.hf_config import load_hf_config
 from vtllm.worker.loader.host_memory import HostPeak, HostPeakWindow
+from vtllm.worker.loader.quant_config import resolve_quantization
 from vtllm.worker.loader.safetensors_loader import LoadStats, load_safetensors
 from vtllm.worker.models import build_model
 from vtllm.worker.models.llama import KVCache
-from vtllm.worker.platform import Platform
+from vtllm.worker.platform import Platform, platform_of
 from vtllm.worker.pooling import Pooler
 from vtllm.worker.sampler import Sampler, SamplingBatch, TokenHistory, advance_generator
 
@@ -86,23 +88,32 @@ class ModelRunner:
         tp: TPGroup | None = None,
         load_format: str = "auto",
         max_model_len: int | None = None,
+        quantization: str | None = None,
     ) -> ModelRunner:
         """Build the model from ``config.json`` and load its safetensors (``load_format``
         ``dummy``: random weights instead, seeded by ``seed``); rank 0 drives.
         ``max_model_len`` beyond the model's ``max_position_embeddings`` (allowed by
-        VT_ALLOW_LONG_MAX_MODEL_LEN): the position tables cover it. The runner records
-        the host RSS peak over building and loading (``load_host_peak``)."""
+        VT_ALLOW_LONG_MAX_MODEL_LEN): the position tables cover it. ``quantization``
+        (``--quantization``; None: the checkpoint's own) makes the linears and experts FP8
+        (``layers/fp8.py``); ValueError for a method or checkpoint format not supported.
+        The runner records the host RSS peak over building and loading
+        (``load_host_peak``)."""
         tp = tp or TPGroup()
         hf_config = load_hf_config(model_dir)
         if max_model_len and max_model_len > hf_config.get("max_position_embeddings", 0):
             hf_config = {**hf_config, "max_position_embeddings": max_model_len}
+        quant = resolve_quantization(hf_config, quantization)
         host_window = HostPeakWindow()
         model = build_model(hf_config, device, dtype, tp)  # parameters allocated on device
         stats = None
         if load_format == "dummy":
-            init_dummy_weights(model, seed)
+            init_dummy_weights(model, seed)  # quantised below, in the checkpoint's layout
         else:
+            if quant is not None and quant.checkpoint_fp8:
+                prepare_fp8_checkpoint(model, quant)
             stats = load_safetensors(model, model_dir)
+        if quant is not None:
+            finish_fp8(model, quant, platform_of(device))
         host_peak = host_window.close()
         eos_ids = read_eos_token_ids(model_dir, hf_config)
         vocab_size = hf_config["vocab_size"]

@@ -130,6 +130,26 @@ class Platform:
         """Whether host staging buffers should be page-locked (fast async copies)."""
         return self.is_gpu
 
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        """The e4m3 FP8 format of this device's hardware: ``float8_e4m3fnuz`` on MI300
+        (gfx94x: bias 8, no negative zero, max 240), OCP ``float8_e4m3fn`` elsewhere
+        (NVIDIA, RDNA4 gfx12, MI350 gfx950, CPU; max 448). Checkpoints are e4m3fn."""
+        if self.kind is PlatformKind.ROCM:
+            arch = torch.cuda.get_device_properties(self.device).gcnArchName
+            if arch.startswith("gfx94"):
+                return torch.float8_e4m3fnuz
+        return torch.float8_e4m3fn
+
+    @property
+    def has_fp8_scaled_mm(self) -> bool:
+        """Whether ``torch._scaled_mm`` with row-wise scales runs here: NVIDIA compute
+        capability 8.9+ (Ada, Hopper and later). ROCm is left to the Triton FP8 kernels
+        (untested on ROCm hardware)."""
+        if self.kind is not PlatformKind.CUDA:
+            return False
+        return torch.cuda.get_device_capability(self.device) >= (8, 9)
+
     def new_graph_pool(self) -> Any:
         """A memory pool that several graphs captured one after another can share."""
         return torch.cuda.graph_pool_handle()
@@ -163,6 +183,14 @@ def detect_platform(local_rank: int = 0) -> Platform:
             )
         return Platform(kind, torch.device("cuda", local_rank))
     return Platform(PlatformKind.CPU, torch.device("cpu"))
+
+
+def platform_of(device: torch.device) -> Platform:
+    """The platform a tensor's ``device`` belongs to (no device query on CPU)."""
+    if device.type == "cpu":
+        return cpu_platform()
+    kind = PlatformKind.ROCM if torch.version.hip else PlatformKind.CUDA
+    return Platform(kind, device)
 
 
 def cpu_platform() -> Platform:

@@ -42,6 +42,7 @@ from vtllm.worker.decode_graphs import capture_sizes
 from vtllm.worker.distributed import destroy_distributed, init_distributed
 from vtllm.worker.heartbeat import HeartbeatSender
 from vtllm.worker.loader.hf_config import load_hf_config, model_facts
+from vtllm.worker.loader.quant_config import resolve_quantization
 from vtllm.worker.memory_budget import memory_budget
 from vtllm.worker.model_runner import ModelRunner
 from vtllm.worker.platform import MemorySnapshot, Platform, detect_platform
@@ -121,8 +122,16 @@ def _serve(
         tp,
         config.model.load_format,
         config.model.max_model_len,
+        config.model.quantization,
     )
-    logger.info("loaded %s (%s) in %.1fs", model_dir, dtype, time.monotonic() - started)
+    quant = resolve_quantization(hf_config, config.model.quantization)
+    logger.info(
+        "loaded %s (%s, %s) in %.1fs",
+        model_dir,
+        dtype,
+        quant.describe() if quant else "not quantised",
+        time.monotonic() - started,
+    )
     _log_weights_loaded(runner, platform, rank, world_size)
     attn = runner.model.model.layers[0].self_attn
     name = config.model.default_served_name(model_dir)

@@ -26,6 +26,7 @@ from triton.compiler import ASTSource
 
 from vtllm.worker.kernels import (
     activation,
+    fp8_matmul,
     fused_moe,
     paged_attention,
     reshape_and_cache,
@@ -58,8 +59,12 @@ _POINTER_TYPES = {
     "block_expert_ids_ptr": "*i32",
     "num_padded_ptr": "*i32",
     "pair_expert_ids_ptr": "*i32",
+    "scale_ptr": "*fp32",
 }
 _FLOAT_SCALARS = {"scale_log2", "eps"}
+# e4m3 as each target's hardware has it (vtllm's Platform.fp8_dtype): MI300 (gfx942)
+# e4m3fnuz = fp8e4b8; RDNA4 (gfx1201) and Hopper OCP e4m3fn = fp8e4nv
+FP8_TYPES = {"mi300-gfx942": "fp8e4b8", "r9700-gfx1201": "fp8e4nv", "h100-sm90": "fp8e4nv"}
 
 
 @dataclass
@@ -70,12 +75,15 @@ class Variant:
     constexprs: dict[str, Any]
     num_warps: int = 4
     num_stages: int = 2  # what the attention launcher passes
+    fp8_pointers: tuple[str, ...] = ()  # pointers to the target's e4m3 (FP8 weights)
 
-    def signature(self) -> dict[str, str]:
+    def signature(self, target_name: str) -> dict[str, str]:
         signature = {}
         for arg in self.kernel.arg_names:
             if arg in self.constexprs:
                 signature[arg] = "constexpr"
+            elif arg in self.fp8_pointers:
+                signature[arg] = f"*{FP8_TYPES[target_name]}"
             elif arg.endswith("_ptr"):
                 signature[arg] = _POINTER_TYPES.get(arg, f"*{self.dtype}")
             else:
@@ -84,6 +92,8 @@ class Variant:
 
 
 _ATTENTION = dict(SLIDING_WINDOW=0, NUM_KV_SPLITS=1)
+_NO_SCALE = dict(W_SCALE=0, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1)
+_BLOCK_SCALES = dict(W_SCALE=2, SCALE_BLOCK_N=128, SCALE_BLOCK_K=128)
 VARIANTS = [
     Variant(
         "paged_attention/prefill-bf16-d128",
@@ -149,28 +159,60 @@ VARIANTS = [
         fused_moe._fused_moe_gemm_kernel,
         "bf16",
         dict(A_PAIRS_PER_ROW=8, GATED=True, ACTIVATION=0, MUL_WEIGHT=False)
-        | dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32),
+        | dict(_NO_SCALE, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32),
     ),
     Variant(
         "fused_moe_gemm/fp16-down-weighted",
         fused_moe._fused_moe_gemm_kernel,
         "fp16",
         dict(A_PAIRS_PER_ROW=1, GATED=False, ACTIVATION=0, MUL_WEIGHT=True)
-        | dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64),
+        | dict(_NO_SCALE, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64),
     ),
     Variant(
         "fused_moe_gemv/bf16-gate-up-gelu-tanh",
         fused_moe._fused_moe_gemv_kernel,
         "bf16",
         dict(A_PAIRS_PER_ROW=8, GATED=True, ACTIVATION=1, MUL_WEIGHT=False)
-        | dict(BLOCK_N=16, BLOCK_K=128),
+        | dict(_NO_SCALE, BLOCK_N=16, BLOCK_K=128),
     ),
     Variant(
         "fused_moe_gemv/bf16-down-weighted",
         fused_moe._fused_moe_gemv_kernel,
         "bf16",
         dict(A_PAIRS_PER_ROW=1, GATED=False, ACTIVATION=0, MUL_WEIGHT=True)
-        | dict(BLOCK_N=64, BLOCK_K=128),
+        | dict(_NO_SCALE, BLOCK_N=64, BLOCK_K=128),
+    ),
+    Variant(
+        "fused_moe_gemm/bf16-fp8-block-gate-up-silu",
+        fused_moe._fused_moe_gemm_kernel,
+        "bf16",
+        dict(A_PAIRS_PER_ROW=8, GATED=True, ACTIVATION=0, MUL_WEIGHT=False)
+        | dict(_BLOCK_SCALES, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32),
+        fp8_pointers=("w_ptr",),
+    ),
+    Variant(
+        "fused_moe_gemv/bf16-fp8-row-down-weighted",
+        fused_moe._fused_moe_gemv_kernel,
+        "bf16",
+        dict(A_PAIRS_PER_ROW=1, GATED=False, ACTIVATION=0, MUL_WEIGHT=True)
+        | dict(W_SCALE=1, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1, BLOCK_N=64, BLOCK_K=128),
+        fp8_pointers=("w_ptr",),
+    ),
+    Variant(
+        "fp8_matmul/bf16-block-128",
+        fp8_matmul._fp8_matmul_kernel,
+        "bf16",
+        dict(SCALE_BLOCK_N=128, SCALE_BLOCK_K=128, PER_ROW=False)
+        | dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128),
+        fp8_pointers=("w_ptr",),
+    ),
+    Variant(
+        "fp8_matmul/fp16-per-row",
+        fp8_matmul._fp8_matmul_kernel,
+        "fp16",
+        dict(SCALE_BLOCK_N=1, SCALE_BLOCK_K=1, PER_ROW=True)
+        | dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64),
+        fp8_pointers=("w_ptr",),
     ),
 ]
 
@@ -213,7 +255,7 @@ def compile_variant(variant: Variant, target_name: str) -> Result:
     result = Result(variant.name, kernel_name, target_name, STAGES[target.backend])
     started = time.monotonic()
     source = ASTSource(
-        fn=variant.kernel, signature=variant.signature(), constexprs=variant.constexprs
+        fn=variant.kernel, signature=variant.signature(target_name), constexprs=variant.constexprs
     )
     with tempfile.TemporaryDirectory() as cache_dir:
         triton.knobs.cache.dir = cache_dir

@@ -21,6 +21,7 @@ import pytest
 
 from vtllm.worker.kernels import (
     activation,
+    fp8_matmul,
     fused_moe,
     paged_attention,
     reshape_and_cache,
@@ -81,7 +82,15 @@ def reports(tmp_path_factory) -> dict[str, dict]:
 
 
 def _kernel_names() -> set[str]:
-    modules = (activation, fused_moe, paged_attention, reshape_and_cache, rms_norm, rotary)
+    modules = (
+        activation,
+        fp8_matmul,
+        fused_moe,
+        paged_attention,
+        reshape_and_cache,
+        rms_norm,
+        rotary,
+    )
     return {n for m in modules for n in vars(m) if n.startswith("_") and n.endswith("_kernel")}
 
 
@@ -113,7 +122,11 @@ def test_every_kernel_compiles_for_target(target_name, reports):
         else:
             assert stages["ptx"]["target"].startswith(f"sm_{target.arch}"), stages["ptx"]
         assembly = stages["amdgcn" if target.backend == "hip" else "ptx"]
-        if r["kernel"] in ("_paged_attention_kernel", "_fused_moe_gemm_kernel"):
+        if r["kernel"] in (
+            "_paged_attention_kernel",
+            "_fused_moe_gemm_kernel",
+            "_fp8_matmul_kernel",
+        ):
             # tl.dot reached the matrix units: MFMA (CDNA), WMMA (RDNA4), mma/wgmma (Hopper)
             assert assembly["matrix_instructions"] > 0, r["variant"]
         for binary in ("hsaco", "cubin"):

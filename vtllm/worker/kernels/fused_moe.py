@@ -27,21 +27,31 @@ Weight layout is the HF one: ``w13 [E, 2*I, H]`` (gate rows, then up rows) and
 ``w2 [E, H, I]``. The intermediate is stored in x's dtype (rounded once after the fp32
 activation); accumulation is fp32; fp32 inputs use IEEE fp32 dots (no TF32).
 
-Hooks for later work: ``ACTIVATIONS`` already has GELU(tanh) for Gemma 4's experts; FP8
-experts add per-expert scale pointers and a ``W_FP8`` constexpr that multiplies the fp32
-accumulator by the scale in the epilogue (block scales: inside the K loop).
+FP8 experts (e4m3 weights, fp32 scales; ``W_SCALE`` constexpr): each weight tile is
+converted to the activation dtype (exact) and dotted in fp32; per-row scales
+``[E, rows]`` (per-expert per-tensor or per-channel) multiply the accumulators once after the
+K loop, before the activation; block scales ``[E, cdiv(rows, bn), cdiv(k, bk)]`` (128×128:
+DeepSeek / Qwen3-FP8) multiply each K tile's partial product (``BLOCK_K`` divides ``bk``).
+Gate and up rows keep their own scales (``w13`` up rows start at row ``I``, a multiple of
+``bn``). ``fused_moe_ref`` dequantises (``fp8_matmul.dequantize_ref``) and runs its loop.
+
+``ACTIVATIONS`` has GELU(tanh) for Gemma 4's experts.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
 from vtllm.worker.kernels._triton import tl, triton
+from vtllm.worker.kernels.fp8_matmul import check_scale_block, dequantize_ref
 
 # name → constexpr code of the gate activation (``silu``: SwiGLU; ``gelu_tanh``: GeGLU)
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+# W_SCALE constexpr: plain weights, FP8 with per-row scales, FP8 with block scales
+_NO_SCALE, _ROW_SCALE, _BLOCK_SCALE = 0, 1, 2
 
 
 @triton.jit
@@ -54,10 +64,18 @@ def _gate_activation(gate, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _block_scales(scale_base, rows, k0, row_mask, stride_scale_row, SCALE_BLOCK_N, SCALE_BLOCK_K):
+    """fp32 ``[len(rows)]``: the block scales of weight ``rows`` at K offset ``k0``."""
+    block_rows = (rows // SCALE_BLOCK_N).to(tl.int64) * stride_scale_row
+    return tl.load(scale_base + block_rows + k0 // SCALE_BLOCK_K, mask=row_mask, other=0.0)
+
+
+@triton.jit
 def _fused_moe_gemm_kernel(
     out_ptr,  # [num_pairs, n]
     a_ptr,  # [num_pairs // A_PAIRS_PER_ROW, k]: tokens (first GEMM) or the intermediate
     w_ptr,  # [num_experts, n * (2 if GATED else 1), k]
+    scale_ptr,  # fp32 [E, rows] (W_SCALE 1) or [E, cdiv(rows, SCALE_BLOCK_N), cdiv(k, bk)] (2)
     pair_weights_ptr,  # [num_pairs] fp32; read when MUL_WEIGHT
     sorted_pair_ids_ptr,  # [max_blocks * BLOCK_M] i32; padding holds num_pairs
     block_expert_ids_ptr,  # [max_blocks] i32
@@ -69,10 +87,15 @@ def _fused_moe_gemm_kernel(
     stride_out_row,
     stride_w_expert,
     stride_w_row,
+    stride_scale_expert,
+    stride_scale_row,
     A_PAIRS_PER_ROW: tl.constexpr,  # top_k when a holds tokens, 1 when it holds pairs
     GATED: tl.constexpr,  # w holds gate rows then up rows: out = act(a @ gate) * (a @ up)
     ACTIVATION: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,  # out *= the pair's routing weight
+    W_SCALE: tl.constexpr,  # 0: plain weights; FP8 with 1: per-row, 2: block scales
+    SCALE_BLOCK_N: tl.constexpr,
+    SCALE_BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -93,19 +116,43 @@ def _fused_moe_gemm_kernel(
     w_ptrs = (  # [BLOCK_K, BLOCK_N]: w[expert, n, k] read transposed
         w_ptr + expert * stride_w_expert + offs_n[None, :].to(tl.int64) * stride_w_row
     ) + offs_k[:, None]
+    scale_base = scale_ptr + expert * stride_scale_expert
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         k_mask = offs_k + k0 < k
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        acc = tl.dot(a, w, acc, input_precision="ieee")
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(a_ptr.dtype.element_ty)
+        if W_SCALE == 2:
+            scale = _block_scales(
+                scale_base, offs_n, k0, n_mask, stride_scale_row, SCALE_BLOCK_N, SCALE_BLOCK_K
+            )
+            acc += tl.dot(a, w, input_precision="ieee") * scale[None, :]
+        else:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
         if GATED:
             w_up = tl.load(w_ptrs + n * stride_w_row, mask=w_mask, other=0.0)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+            w_up = w_up.to(a_ptr.dtype.element_ty)
+            if W_SCALE == 2:
+                scale_up = _block_scales(
+                    scale_base,
+                    offs_n + n,
+                    k0,
+                    n_mask,
+                    stride_scale_row,
+                    SCALE_BLOCK_N,
+                    SCALE_BLOCK_K,
+                )
+                acc_up += tl.dot(a, w_up, input_precision="ieee") * scale_up[None, :]
+            else:
+                acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if W_SCALE == 1:
+        acc = acc * tl.load(scale_base + offs_n, mask=n_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(scale_base + n + offs_n, mask=n_mask, other=0.0)[None, :]
     if GATED:
         acc = _gate_activation(acc, ACTIVATION) * acc_up
     if MUL_WEIGHT:
@@ -120,6 +167,7 @@ def _fused_moe_gemv_kernel(
     out_ptr,  # [num_pairs, n]
     a_ptr,  # [num_pairs // A_PAIRS_PER_ROW, k]
     w_ptr,  # [num_experts, n * (2 if GATED else 1), k]
+    scale_ptr,  # as in the GEMM kernel
     pair_weights_ptr,  # [num_pairs] fp32; read when MUL_WEIGHT
     pair_expert_ids_ptr,  # [num_pairs] i32: topk_ids flattened
     n,
@@ -128,10 +176,15 @@ def _fused_moe_gemv_kernel(
     stride_out_row,
     stride_w_expert,
     stride_w_row,
+    stride_scale_expert,
+    stride_scale_row,
     A_PAIRS_PER_ROW: tl.constexpr,
     GATED: tl.constexpr,
     ACTIVATION: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    W_SCALE: tl.constexpr,
+    SCALE_BLOCK_N: tl.constexpr,
+    SCALE_BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -145,6 +198,7 @@ def _fused_moe_gemv_kernel(
     w_ptrs = (  # [BLOCK_N, BLOCK_K]
         w_ptr + expert * stride_w_expert + offs_n[:, None].to(tl.int64) * stride_w_row
     ) + offs_k[None, :]
+    scale_base = scale_ptr + expert * stride_scale_expert
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
@@ -152,11 +206,33 @@ def _fused_moe_gemv_kernel(
         a = tl.load(a_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[None, :], axis=1)
+        if W_SCALE == 2:
+            scale = _block_scales(
+                scale_base, offs_n, k0, n_mask, stride_scale_row, SCALE_BLOCK_N, SCALE_BLOCK_K
+            )
+            acc += tl.sum(w * a[None, :], axis=1) * scale
+        else:
+            acc += tl.sum(w * a[None, :], axis=1)
         if GATED:
             w_up = tl.load(w_ptrs + n * stride_w_row, mask=w_mask, other=0.0).to(tl.float32)
-            acc_up += tl.sum(w_up * a[None, :], axis=1)
+            if W_SCALE == 2:
+                scale_up = _block_scales(
+                    scale_base,
+                    offs_n + n,
+                    k0,
+                    n_mask,
+                    stride_scale_row,
+                    SCALE_BLOCK_N,
+                    SCALE_BLOCK_K,
+                )
+                acc_up += tl.sum(w_up * a[None, :], axis=1) * scale_up
+            else:
+                acc_up += tl.sum(w_up * a[None, :], axis=1)
         w_ptrs += BLOCK_K
+    if W_SCALE == 1:
+        acc = acc * tl.load(scale_base + offs_n, mask=n_mask, other=0.0)
+        if GATED:
+            acc_up = acc_up * tl.load(scale_base + n + offs_n, mask=n_mask, other=0.0)
     if GATED:
         acc = _gate_activation(acc, ACTIVATION) * acc_up
     if MUL_WEIGHT:
@@ -229,10 +305,37 @@ def _gemm_tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
     return 64, 64, 32, 4
 
 
+@dataclass(frozen=True)
+class ExpertScales:
+    """FP8 expert weights' fp32 scales: ``block`` None = per row, ``scale [E, rows]``;
+    else ``(bn, bk)`` blocks, ``scale [E, cdiv(rows, bn), cdiv(k, bk)]``."""
+
+    scale: torch.Tensor
+    block: tuple[int, int] | None
+
+    def kernel_args(self, block_k: int) -> tuple[tuple, dict, int]:
+        """(strides, constexprs, BLOCK_K clipped to the scale block)."""
+        if self.block is None:
+            strides = (self.scale.stride(0), 0)
+            return strides, dict(W_SCALE=_ROW_SCALE, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1), block_k
+        strides = (self.scale.stride(0), self.scale.stride(1))
+        constexprs = dict(
+            W_SCALE=_BLOCK_SCALE, SCALE_BLOCK_N=self.block[0], SCALE_BLOCK_K=self.block[1]
+        )
+        return strides, constexprs, min(block_k, self.block[1])
+
+    def dequantize(self, w: torch.Tensor, expert: int) -> torch.Tensor:
+        """fp32 ``[rows, k]`` of one expert."""
+        block = self.block or (1, w.shape[-1])
+        scale = self.scale[expert] if self.block else self.scale[expert][:, None]
+        return dequantize_ref(w[expert], scale, block, torch.float32)
+
+
 def _launch(
     out: torch.Tensor,  # [num_pairs, n]
     a: torch.Tensor,  # [num_a_rows, k]
     w: torch.Tensor,  # [E, n or 2n, k]
+    scales: ExpertScales | None,
     topk_weights: torch.Tensor,  # [num_pairs] fp32
     topk_ids: torch.Tensor,  # [num_pairs] i32
     alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None,
@@ -249,17 +352,29 @@ def _launch(
     strides = (a.stride(0), out.stride(0), w.stride(0), w.stride(1))
     if alignment is None:
         block_n, block_k = _gemv_tiles(num_pairs, n, out.device)
+    else:
+        _, block_n, block_k, num_warps = _gemm_tiles(num_pairs, w.shape[0])
+    scale = topk_weights  # any fp32 pointer; never read without scales
+    scale_strides, scale_constexprs = (
+        (0, 0),
+        dict(W_SCALE=_NO_SCALE, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1),
+    )
+    if scales is not None:
+        scale = scales.scale
+        scale_strides, scale_constexprs, block_k = scales.kernel_args(block_k)
+    common |= scale_constexprs
+    strides += scale_strides
+    if alignment is None:
         grid = (num_pairs, triton.cdiv(n, block_n))
         _fused_moe_gemv_kernel[grid](
-            out, a, w, topk_weights, topk_ids, n, k, *strides,
+            out, a, w, scale, topk_weights, topk_ids, n, k, *strides,
             **common, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
         )  # fmt: skip
         return
     sorted_pair_ids, block_expert_ids, num_padded, block_m = alignment
-    _, block_n, block_k, num_warps = _gemm_tiles(num_pairs, w.shape[0])
     grid = (block_expert_ids.numel(), triton.cdiv(n, block_n))
     _fused_moe_gemm_kernel[grid](
-        out, a, w, topk_weights, sorted_pair_ids, block_expert_ids, num_padded,
+        out, a, w, scale, topk_weights, sorted_pair_ids, block_expert_ids, num_padded,
         n, k, num_pairs, *strides,
         **common, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )  # fmt: skip
@@ -273,11 +388,14 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [num_tokens, top_k], expert ids in [0, num_experts)
     activation: str = "silu",
     path: str = "auto",
+    w13_scales: ExpertScales | None = None,
+    w2_scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum per token, ``[num_tokens, hidden]`` in x's dtype.
 
     ``path``: ``auto`` (GEMV when ``num_tokens * top_k <= num_experts``, else grouped GEMM),
-    ``gemv`` or ``gemm``. Raises ValueError on inconsistent shapes.
+    ``gemv`` or ``gemm``. FP8 ``w13`` / ``w2`` come with their ``ExpertScales``. Raises
+    ValueError on inconsistent shapes.
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, w13_hidden = w13.shape
@@ -297,6 +415,9 @@ def fused_moe(
         )
     if path not in ("auto", "gemv", "gemm"):
         raise ValueError(f"path must be auto, gemv or gemm, got {path!r}")
+    for scales in (w13_scales, w2_scales):
+        if scales is not None and scales.block is not None:
+            check_scale_block(scales.block, per_row=False)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
@@ -310,9 +431,15 @@ def fused_moe(
         alignment = (*align_pairs_by_expert(topk_ids, num_experts, block_m), block_m)
     act = ACTIVATIONS[activation]
     inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
-    _launch(inter_out, x, w13, pair_weights, pair_experts, alignment, top_k, True, act, False)
+    _launch(
+        inter_out, x, w13, w13_scales, pair_weights, pair_experts, alignment, top_k, True, act,
+        False,
+    )  # fmt: skip
     pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [P, H]
-    _launch(pair_out, inter_out, w2, pair_weights, pair_experts, alignment, 1, False, act, True)
+    _launch(
+        pair_out, inter_out, w2, w2_scales, pair_weights, pair_experts, alignment, 1, False, act,
+        True,
+    )  # fmt: skip
     # the weighted pairs of a token summed in fp32, rounded once
     return pair_out.view(num_tokens, top_k, hidden).float().sum(1).to(x.dtype)
 
@@ -324,9 +451,12 @@ def fused_moe_ref(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    w13_scales: ExpertScales | None = None,
+    w2_scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """Plain-torch ``fused_moe`` (same contract): a loop over the experts that were hit,
-    fp32 math with the intermediate rounded to x's dtype, as the kernels do."""
+    fp32 math with the intermediate rounded to x's dtype, as the kernels do; FP8 experts
+    dequantised to fp32 first."""
     num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
     act = ACTIVATIONS[activation]
@@ -334,14 +464,16 @@ def fused_moe_ref(
     for expert in torch.unique(topk_ids).tolist():
         token_idx, slot_idx = torch.nonzero(topk_ids == expert, as_tuple=True)
         rows = x[token_idx].float()  # [n_e, hidden]
-        gate_up = rows @ w13[expert].float().t()  # [n_e, 2 * inter]
+        w13_e = w13[expert].float() if w13_scales is None else w13_scales.dequantize(w13, expert)
+        w2_e = w2[expert].float() if w2_scales is None else w2_scales.dequantize(w2, expert)
+        gate_up = rows @ w13_e.t()  # [n_e, 2 * inter]
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
         if act == ACTIVATIONS["gelu_tanh"]:
             activated = torch.nn.functional.gelu(gate, approximate="tanh")
         else:
             activated = torch.nn.functional.silu(gate)
         inter_rows = (activated * up).to(x.dtype).float()  # [n_e, inter]
-        down = inter_rows @ w2[expert].float().t()  # [n_e, hidden]
+        down = inter_rows @ w2_e.t()  # [n_e, hidden]
         weights = topk_weights[token_idx, slot_idx].float()[:, None]
         acc.index_add_(0, token_idx, (down * weights).to(x.dtype).float())
     return acc.to(x.dtype)

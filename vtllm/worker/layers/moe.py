@@ -21,21 +21,28 @@ id ``(e, "gate" | "up" | "down")``, and each parameter lists its expected shard 
 Extension points (not built yet): Gemma 4 routes through its own scaled router and calls
 ``FusedMoE`` with ``activation="gelu_pytorch_tanh"`` and its own ``(weights, ids)``; its
 stacked ``experts.gate_up_proj [E, 2I, H]`` tensors need one more ``weight_loader`` case (a
-whole-tensor shard id that narrows each half per rank). FP8 experts change the two parameters'
-dtype and add ``w13_scale`` / ``w2_scale`` parameters in the same expert-major layout, which
-the loader fills per expert and the kernel applies to its fp32 accumulator.
+whole-tensor shard id that narrows each half per rank).
+
+FP8 experts (``layers/fp8.py``): the two parameters become e4m3 and gain
+``w13_weight_scale`` / ``w2_weight_scale`` (per row) or ``..._weight_scale_inv`` (per block)
+in the same expert-major layout, filled per (expert, kind) from the checkpoint's
+``experts.{e}.{proj}.weight_scale[_inv]``; ``expert_scales`` hands them to the kernel.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vtllm.worker.distributed import TPGroup, divide
+
+if TYPE_CHECKING:  # the kernel modules import triton: only when a layer runs
+    from vtllm.worker.kernels.fused_moe import ExpertScales
 
 # HF activation name → the fused-MoE kernel's name for it
 MOE_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -114,6 +121,8 @@ class FusedMoE(nn.Module):
         self.w2_weight.shard_ids = [(e, "down") for e in range(num_experts)]
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader
+        # (w13, w2) scales when the weights are FP8 (set by layers/fp8.py), else None
+        self.expert_scales: tuple[ExpertScales, ExpertScales] | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ExpertShardId
@@ -147,7 +156,11 @@ class FusedMoE(nn.Module):
         from vtllm.worker.kernels import fused_moe as kernels
 
         moe = kernels.fused_moe if x.is_cuda else kernels.fused_moe_ref
-        out = moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation)
+        w13_scales, w2_scales = self.expert_scales or (None, None)
+        out = moe(
+            x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
+            w13_scales=w13_scales, w2_scales=w2_scales,
+        )  # fmt: skip
         return self.tp.all_reduce(out)  # [num_tokens, hidden]
 
 
@@ -185,14 +198,18 @@ class SparseMoeBlock(nn.Module):
         return self.experts(x, topk_weights, topk_ids)  # [num_tokens, hidden]
 
 
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_EXPERT_TENSOR = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)"
+    r"\.(?P<suffix>weight|weight_scale|weight_scale_inv)$"
+)
 
 
 def expert_checkpoint_name(
     name: str, projections: dict[str, str]
 ) -> tuple[str, ExpertShardId] | None:
     """``(parameter name, (expert, kind))`` for a per-expert checkpoint tensor such as
-    ``model.layers.3.mlp.experts.17.gate_proj.weight``, or None for any other name.
+    ``model.layers.3.mlp.experts.17.gate_proj.weight``, or None for any other name; an FP8
+    checkpoint's ``...gate_proj.weight_scale[_inv]`` maps onto ``w13_weight_scale[_inv]``.
     ``projections`` maps the checkpoint's projection names to ``gate`` / ``up`` / ``down``
     (Qwen3-MoE: ``gate_proj`` / ``up_proj`` / ``down_proj``; Mixtral: ``w1`` / ``w3`` / ``w2``).
     """
@@ -200,5 +217,5 @@ def expert_checkpoint_name(
     if match is None or match["proj"] not in projections:
         return None
     kind = projections[match["proj"]]
-    param = "w2_weight" if kind == "down" else "w13_weight"
+    param = ("w2_" if kind == "down" else "w13_") + match["suffix"]
     return f"{match['prefix']}.{param}", (int(match["expert"]), kind)

@@ -1,0 +1,168 @@
+"""FP8 (e4m3) weight matmul: ``y = x @ dequant(w)^T``, the weight stored in FP8 with fp32
+scales over blocks of it, dequantised inside the kernel (x stays in its own dtype).
+
+Scale layout, one fp32 per ``block_n × block_k`` block of the ``[N, K]`` weight::
+
+    w_fp8 [N, K]                          scale [ceil(N / bn), ceil(K / bk)]
+          k: 0 ..bk.. ..2bk..  K
+    n: 0  ┌────────┬────────┬──┐          ┌─────┬─────┬─────┐
+          │  s00   │  s01   │  │          │ s00 │ s01 │ s02 │
+    bn    ├────────┼────────┼──┤          ├─────┼─────┼─────┤
+          │  s10   │  s11   │  │          │ s10 │ s11 │ s12 │
+    N     └────────┴────────┴──┘          └─────┴─────┴─────┘
+
+    w[n, k] = w_fp8[n, k] * scale[n // bn, k // bk]
+
+128 × 128 blocks are the DeepSeek / Qwen3-FP8 layout (``weight_scale_inv``); per-output-
+channel scales (``weight_scale [N]``, also a per-tensor scale repeated) are the case
+``block = (1, K)``, ``scale [N, 1]``.
+
+The kernel: one program per ``BLOCK_M × BLOCK_N`` output tile. Its K loop loads an FP8
+weight tile and converts it to x's dtype (exact: e4m3 values fit in fp16, bf16 and fp32),
+then dots in fp32. Block scales multiply each K tile's partial product (``BLOCK_K`` divides
+``block_k``, so a tile lies in one scale block); per-row scales multiply the accumulator
+once, after the loop. ``fp8_matmul_ref`` dequantises the whole weight and calls
+``F.linear``: the CPU path and the tests' oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from vtllm.worker.kernels._triton import tl, triton
+
+
+@triton.jit
+def _fp8_matmul_kernel(
+    out_ptr,  # [m, n], x's dtype
+    x_ptr,  # [m, k]
+    w_ptr,  # [n, k] fp8 (e4m3fn, or e4m3fnuz on MI300)
+    scale_ptr,  # [cdiv(n, SCALE_BLOCK_N), cdiv(k, SCALE_BLOCK_K)] fp32; [n, 1] when PER_ROW
+    m,
+    n,
+    k,
+    stride_x_row,
+    stride_out_row,
+    stride_w_row,
+    stride_scale_row,
+    SCALE_BLOCK_N: tl.constexpr,
+    SCALE_BLOCK_K: tl.constexpr,  # a multiple of BLOCK_K (unused when PER_ROW)
+    PER_ROW: tl.constexpr,  # one scale per output row, applied after the K loop
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < m
+    n_mask = offs_n < n
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_x_row + offs_k[None, :]  # [BM, BK]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_w_row + offs_k[:, None]  # [BK, BN]
+    scale_rows = scale_ptr + (offs_n // SCALE_BLOCK_N).to(tl.int64) * stride_scale_row  # [BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        k_mask = offs_k + k0 < k
+        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        w = w.to(x_ptr.dtype.element_ty)  # exact
+        if PER_ROW:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            scale = tl.load(scale_rows + k0 // SCALE_BLOCK_K, mask=n_mask, other=0.0)  # [BN]
+            acc += tl.dot(a, w, input_precision="ieee") * scale[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if PER_ROW:
+        acc = acc * tl.load(scale_rows, mask=n_mask, other=0.0)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_out_row + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    from vtllm.worker.kernels.fused_moe import _num_sms as num_sms
+
+    return num_sms(device)
+
+
+def _tiles(m: int, n: int, block: tuple[int, int], per_row: bool, device: torch.device):
+    """(BLOCK_M, BLOCK_N, BLOCK_K). Decode (m <= 16) is weight-bandwidth bound: the
+    widest N tile that still starts two programs per SM."""
+    block_m = 16 if m <= 16 else 64
+    block_n = 16
+    for candidate in (64, 32):
+        if triton.cdiv(m, block_m) * triton.cdiv(n, candidate) >= 2 * _num_sms(device):
+            block_n = candidate
+            break
+    block_k = 128 if m <= 16 else 64
+    if not per_row:
+        block_k = min(block_k, block[1])
+    return block_m, block_n, block_k
+
+
+def check_scale_block(block: tuple[int, int], per_row: bool) -> None:
+    """Block scales need ``block_k`` a power of two >= 16 (a K tile lies in one block)."""
+    if per_row:
+        return
+    block_k = block[1]
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"FP8 block scales need a power-of-two block_k >= 16, got {block}")
+
+
+def fp8_matmul(
+    x: torch.Tensor,  # [m, k], fp16 / bf16 / fp32
+    w: torch.Tensor,  # [n, k] fp8
+    scale: torch.Tensor,  # [cdiv(n, bn), cdiv(k, bk)] fp32
+    block: tuple[int, int],  # (bn, bk); (1, k) = per output row
+) -> torch.Tensor:
+    """``x @ dequant(w, scale, block)^T`` as ``[m, n]`` in x's dtype (no bias). Raises
+    ValueError when the scale's shape does not match ``w`` and ``block``."""
+    m, k = x.shape
+    n = w.shape[0]
+    per_row = block == (1, k)
+    expected = (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
+    if w.shape[1] != k or tuple(scale.shape) != expected:
+        raise ValueError(
+            f"fp8_matmul shapes disagree: x {tuple(x.shape)}, w {tuple(w.shape)}, scale "
+            f"{tuple(scale.shape)} (expected {expected} for block {block})"
+        )
+    check_scale_block(block, per_row)
+    x, w, scale = x.contiguous(), w.contiguous(), scale.float().contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_m, block_n, block_k = _tiles(m, n, block, per_row, x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _fp8_matmul_kernel[grid](
+        out, x, w, scale, m, n, k, x.stride(0), out.stride(0), w.stride(0), scale.stride(0),
+        SCALE_BLOCK_N=block[0], SCALE_BLOCK_K=block[1], PER_ROW=per_row,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def dequantize_ref(
+    w: torch.Tensor,  # [n, k] fp8
+    scale: torch.Tensor,  # [cdiv(n, bn), cdiv(k, bk)]
+    block: tuple[int, int],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``w_fp8 * scale`` broadcast over the blocks, computed in fp32, rounded once to
+    ``dtype``: ``[n, k]``."""
+    n, k = w.shape
+    full_scale = scale.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)
+    return (w.float() * full_scale[:, :k]).to(dtype)
+
+
+def fp8_matmul_ref(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """Plain-torch ``fp8_matmul`` (same contract): the dequantised weight through
+    ``F.linear`` in x's dtype."""
+    return F.linear(x, dequantize_ref(w, scale, block, x.dtype))  # [m, n]
