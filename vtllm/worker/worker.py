@@ -126,11 +126,11 @@ def _serve(
     )
     quant = resolve_quantization(hf_config, config.model.quantization)
     logger.info(
-        "loaded %s (%s, %s) in %.1fs",
+        "loaded %s (%s) in %.1fs; weights %s",
         model_dir,
         dtype,
-        quant.describe() if quant else "not quantised",
         time.monotonic() - started,
+        quant.describe() if quant else "not quantised",
     )
     _log_weights_loaded(runner, platform, rank, world_size)
     attn = runner.model.model.layers[0].self_attn
