@@ -7,8 +7,18 @@
 #   gpu-tests     every `pytest -m gpu` test
 #   bench-SHAPE   `vtllm bench all` (decode graphs) and `vtllm bench latency --enforce-eager`
 #                 for SHAPE qwen3-0.6b or llama3-8b
-#   hf-SHAPE      the transformers `generate` baseline on the same shape and prompts
+#   hf-SHAPE      the transformers `generate` baseline on the same shape and prompts (MoE
+#                 shapes: the first 32 of the 256 throughput prompts; HF's experts are slow)
 #   profile       benchmarks/profile_decode.py: one worker's decode step, batch 1 and 64
+# Mixtures of experts (random weights; two engine start-ups a shape, each run at most 140 s):
+#   bench-qwen3-30b-a3b, bench-gemma4-26b-moe   `vtllm bench all` (batch-1 latency, roofline
+#                 over the experts a step touches; 256 prompts, in/out lengths uniform in
+#                 [100, 1024]) in bf16, then again with `--quantization fp8` (skipped with a
+#                 message where this tree has no such flag; a shape missing from MODEL_SHAPES
+#                 is skipped too)
+#   moe-kernel    benchmarks/fused_moe_kernel.py: the fused-MoE kernel vs its torch reference
+# One device call of at most 8 minutes (timeouts 2 x 140 + 130 + 50 s, plus the install):
+#   bench-qwen3-30b-a3b hf-qwen3-30b-a3b moe-kernel   (then the same for gemma4-26b-moe)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -20,6 +30,9 @@ if [ ! -s "$OUT/device.txt" ]; then
   python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' >> "$OUT/device.txt"
 fi
 BENCH="--input-len 32 --output-len 128 --num-iters 3 --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192"
+MOE_BENCH="$BENCH --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 4096"
+MOE_SHAPES=" qwen3-30b-a3b gemma4-26b-moe "
+has_shape() { python3 -c "import sys; from vtllm.bench import MODEL_SHAPES; sys.exit('$1' not in MODEL_SHAPES)"; }
 for phase in "$@"; do
   echo "== $phase $(date +%T)"
   case $phase in
@@ -29,6 +42,18 @@ for phase in "$@"; do
     gpu-tests)
       timeout 420 python3 -m pytest -m gpu -q -rP -p no:cacheprovider --durations=15 tests/worker tests/test_boundaries.py \
         >> "$OUT/gpu_tests.txt" 2>&1 ;;
+    bench-qwen3-30b-a3b|bench-gemma4-26b-moe)
+      shape=${phase#bench-}
+      if ! has_shape "$shape"; then echo "skip $phase: no $shape in MODEL_SHAPES"; continue; fi
+      timeout 140 python3 -m vtllm.cli bench all --model-shape "$shape" $MOE_BENCH \
+        >> "$OUT/bench.jsonl" 2>> "$OUT/bench_$shape.log"
+      grep -E "weights: |memory: |captured" "$OUT/bench_$shape.log" | tail -3
+      if python3 -m vtllm.cli bench all --help 2>/dev/null | grep -q -- "--quantization"; then
+        timeout 140 python3 -m vtllm.cli bench all --model-shape "$shape" $MOE_BENCH \
+          --quantization fp8 >> "$OUT/bench.jsonl" 2>> "$OUT/bench_${shape}_fp8.log"
+      else
+        echo "skip $shape fp8: this tree's vtllm has no --quantization flag"
+      fi ;;
     bench-*)
       shape=${phase#bench-}
       timeout 150 python3 -m vtllm.cli bench all --model-shape "$shape" $BENCH \
@@ -37,8 +62,14 @@ for phase in "$@"; do
         --enforce-eager --no-roofline >> "$OUT/bench.jsonl" 2>> "$OUT/bench_${shape}_eager.log" ;;
     hf-*)
       shape=${phase#hf-}
-      timeout 240 python3 benchmarks/hf_baseline.py --model-shape "$shape" all --num-prompts 256 \
-        >> "$OUT/bench.jsonl" 2>> "$OUT/hf_$shape.log" ;;
+      prompts=256; limit=240
+      case $MOE_SHAPES in *" $shape "*) prompts=32; limit=130 ;; esac
+      if ! has_shape "$shape"; then echo "skip $phase: no $shape in MODEL_SHAPES"; continue; fi
+      timeout $limit python3 benchmarks/hf_baseline.py --model-shape "$shape" all \
+        --num-prompts $prompts >> "$OUT/bench.jsonl" 2>> "$OUT/hf_$shape.log" ;;
+    moe-kernel)
+      timeout 50 python3 benchmarks/fused_moe_kernel.py >> "$OUT/moe_kernel.jsonl" 2>&1
+      tail -8 "$OUT/moe_kernel.jsonl" ;;
     profile)
       for args in "--batch 1" "--batch 1 --eager" "--batch 64"; do
         timeout 60 python3 benchmarks/profile_decode.py $args >> "$OUT/profile.txt" 2>&1

@@ -5,8 +5,17 @@ Models: ``--model DIR`` or ``--model-shape NAME`` (a config.json of a known mode
 served with random weights: ``--load-format dummy`` is implied).
 
 Every figure is also stated against the memory-bandwidth roofline: the bytes a decode step
-must read (all weights once, plus each sequence's KV) over the device copy bandwidth
-measured in the same run.
+must read over the device copy bandwidth measured in the same run (``vtllm.roofline``).
+Latency (batch 1): the weights a step reads — for mixtures of experts only the top-k experts
+of each layer (``step_weight_fraction`` of all weights) — plus the sequence's KV.
+Throughput: every weight once per engine step (with hundreds of sequences a step, top-8 of
+128 routing touches every expert: 1 - (1 - 8/128)^256 ≈ 1) plus each decode's KV.
+FP8: ``--quantization fp8`` (or an FP8 checkpoint) counts the linears and experts at one
+byte; ``--kv-cache-dtype fp8`` the KV at one.
+
+Throughput prompts: ``--num-prompts`` of random token ids, input and output lengths drawn
+uniformly from ``--input-len-range`` / ``--output-len-range`` (inclusive), seed 0, so every
+run and ``benchmarks/hf_baseline.py`` see the same requests.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from typing import Any
 from vtllm import envs
 from vtllm.config import VtllmConfig
 from vtllm.protocol import messages as m
+from vtllm.roofline import ModelBytes, model_bytes
 
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": {
@@ -57,28 +67,78 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "eos_token_id": 128009,
     },
+    # Qwen/Qwen3-30B-A3B's config.json (transformers' Qwen3MoeConfig fields): every one of
+    # the 48 layers routes to the top 8 of 128 experts 768 wide; 30.5 B weights, 3.0 B of
+    # them read by a batch-1 decode step
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
 }
 
 
+def shape_config(shape: str) -> dict[str, Any]:
+    """The config of ``shape``: a ``MODEL_SHAPES`` name, or a path to a ``config.json``
+    (any supported architecture, e.g. a shrunken one for a CPU run). ValueError otherwise."""
+    if shape in MODEL_SHAPES:
+        return MODEL_SHAPES[shape]
+    if shape.endswith(".json") and Path(shape).is_file():
+        return json.loads(Path(shape).read_text())
+    raise ValueError(
+        f"unknown model shape {shape!r}: give one of {', '.join(sorted(MODEL_SHAPES))} "
+        "or the path of a config.json"
+    )
+
+
 def write_shape_dir(shape: str) -> Path:
-    """A model directory holding only the config.json of ``shape``."""
-    directory = Path(tempfile.mkdtemp(prefix=f"vtllm-{shape}-"))
-    (directory / "config.json").write_text(json.dumps(MODEL_SHAPES[shape], indent=1))
+    """A model directory holding only the config.json of ``shape`` (``shape_config``)."""
+    directory = Path(tempfile.mkdtemp(prefix=f"vtllm-{Path(shape).stem}-"))
+    (directory / "config.json").write_text(json.dumps(shape_config(shape), indent=1))
     return directory
 
 
-def model_bytes(hf: dict[str, Any], dtype_bytes: int) -> tuple[int, int]:
-    """(weight bytes, KV bytes per token) from a config's shapes."""
-    h, inter, layers = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]
-    heads, kv_heads = (
-        hf["num_attention_heads"],
-        hf.get("num_key_value_heads", hf["num_attention_heads"]),
-    )
-    head_dim = hf.get("head_dim") or h // heads
-    per_layer = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2 + 3 * h * inter + 2 * h
-    embed = hf["vocab_size"] * h * (1 if hf.get("tie_word_embeddings") else 2)
-    params = layers * per_layer + embed + h
-    return params * dtype_bytes, 2 * layers * kv_heads * head_dim * dtype_bytes
+def _shape_argument(value: str) -> str:
+    try:
+        shape_config(value)
+    except (ValueError, OSError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return value
+
+
+def bench_model_bytes(hf: dict[str, Any], config: VtllmConfig, dtype_bytes: int) -> ModelBytes:
+    """The roofline's byte accounting for this run: FP8 linears under ``--quantization fp8``
+    or an FP8 checkpoint, an FP8 KV cache under ``--kv-cache-dtype fp8*``."""
+    quantization = getattr(config.model, "quantization", None)  # absent before FP8 weights
+    checkpoint_quant = (hf.get("quantization_config") or {}).get("quant_method")
+    linear_bytes = 1 if "fp8" in (quantization, checkpoint_quant) else None
+    kv_dtype = getattr(config.cache, "kv_cache_dtype", "auto")
+    kv_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}.get(kv_dtype)
+    if kv_dtype.startswith("fp8"):
+        kv_bytes = 1
+    return model_bytes(hf, dtype_bytes, linear_bytes, kv_bytes)
 
 
 def measure_copy_bandwidth(num_bytes: int = 2 * 1024**3, repeats: int = 10) -> float:
@@ -166,8 +226,6 @@ def bench_throughput(client, args: argparse.Namespace, vocab: int) -> dict[str, 
     wall = time.perf_counter() - started
     num_in = sum(len(r[1]) for r in requests)
     steps = client.latest_stats.step_id - (first_step or 0) if client.latest_stats else 0
-    # KV bytes read by decodes: each output token j of a request reads (input + j) tokens.
-    kv_tokens_read = sum(len(p) * o + o * (o - 1) // 2 for _, p, o in requests)
     return {
         "num_prompts": len(requests),
         "wall_s": round(wall, 2),
@@ -176,13 +234,17 @@ def bench_throughput(client, args: argparse.Namespace, vocab: int) -> dict[str, 
         "input_tokens": num_in,
         "output_tokens": num_out,
         "engine_steps": steps,
-        "_kv_tokens_read": kv_tokens_read,
+        "_lengths": [(len(p), o) for _, p, o in requests],  # for the roofline's KV reads
     }
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model-shape", choices=sorted(MODEL_SHAPES), help="random weights of a known shape"
+        "--model-shape",
+        type=_shape_argument,
+        metavar="NAME|CONFIG.json",
+        help="random weights of a known shape (" + ", ".join(sorted(MODEL_SHAPES)) + ") or "
+        "of a config.json file's",
     )
     parser.add_argument("--input-len", type=int, default=32, help="latency: prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="latency: output tokens")
@@ -228,13 +290,14 @@ def run_bench(kind: str, args: argparse.Namespace, config: VtllmConfig) -> int:
             config.model.enforce_eager, platform.supports_graphs, envs.VT_ATTENTION_BACKEND
         )
         dtype = str(torch_dtype).removeprefix("torch.")
-        weight_bytes, kv_per_token = model_bytes(hf, torch_dtype.itemsize)
+        sizes = bench_model_bytes(hf, config, torch_dtype.itemsize)
         vocab = client.ready.vocab_size
         for one_kind in ("latency", "throughput") if kind == "all" else (kind,):
             if one_kind == "latency":
                 result = bench_latency(client, args, vocab)
-                context = args.input_len + args.output_len / 2
-                step_bytes = weight_bytes + context * kv_per_token
+                context = args.input_len + args.output_len // 2
+                step_bytes = sizes.step_weight_bytes + sizes.kv_bytes(context)
+                result["step_gib"] = round(step_bytes / 1024**3, 3)
                 if bandwidth:
                     result["roofline_tok_s"] = round(bandwidth / step_bytes, 1)
                     result["roofline_fraction"] = round(
@@ -242,16 +305,22 @@ def run_bench(kind: str, args: argparse.Namespace, config: VtllmConfig) -> int:
                     )
             else:
                 result = bench_throughput(client, args, vocab)
-                kv_read = result.pop("_kv_tokens_read") * kv_per_token
+                kv_read = sum(
+                    sizes.kv_bytes_while_decoding(p, o) for p, o in result.pop("_lengths")
+                )
                 if bandwidth and result["engine_steps"]:
-                    needed_s = (result["engine_steps"] * weight_bytes + kv_read) / bandwidth
+                    weights_read = result["engine_steps"] * sizes.total_weight_bytes
+                    needed_s = (weights_read + kv_read) / bandwidth
                     result["roofline_fraction"] = round(needed_s / result["wall_s"], 3)
             result.update(
                 kind=one_kind,
                 model=args.model_shape or model_dir,
                 dtype=dtype,
+                quantization=getattr(config.model, "quantization", None),
+                kv_cache_dtype=getattr(config.cache, "kv_cache_dtype", "auto"),
                 decode_graphs=graphs,
-                weight_gib=round(weight_bytes / 1024**3, 3),
+                weight_gib=round(sizes.total_weight_bytes / 1024**3, 3),
+                step_weight_fraction=round(sizes.step_weight_fraction, 4),
                 copy_bandwidth_gb_s=round(bandwidth / 1e9, 1) if bandwidth else None,
             )
             print(json.dumps(result), flush=True)
