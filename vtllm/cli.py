@@ -258,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
         kind_parser = bench_sub.add_parser(kind, help=text, description=text)
         add_bench_arguments(kind_parser)
         add_config_arguments(kind_parser, http=False)
+    from vtllm.bench_serve import add_serve_arguments
+
+    text = "drive a running server over HTTP: output tok/s, TTFT, ITL, TPOT (JSON)"
+    add_serve_arguments(bench_sub.add_parser("serve", help=text, description=text))
     return parser
 
 
@@ -319,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
             return engine_core(_validated_config(command, args))
         if args.command == "keygen":
             return _keygen(parser, args)
+        if args.command == "bench" and args.bench_kind == "serve":
+            from vtllm.bench_serve import run_bench_serve
+
+            return run_bench_serve(args)
         if args.command == "bench":
             from vtllm.bench import run_bench
 

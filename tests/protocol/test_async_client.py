@@ -14,6 +14,7 @@ from vtllm.protocol.async_client import (
     EngineDeadError,
     HandshakeError,
     UtilityError,
+    merge_outputs,
 )
 
 
@@ -37,7 +38,8 @@ async def test_handshake_and_generate(fake: FakeEngine) -> None:
     try:
         assert client.ready is not None and client.ready.max_model_len == 256
         outputs = [o async for o in client.generate("r1", [1, 2], m.SamplingParams())]
-        assert [o.new_token_ids[0] for o in outputs] == [5, 6, 7]
+        # one output per engine message, unless the consumer lagged (then merged)
+        assert [t for o in outputs for t in o.new_token_ids] == [5, 6, 7]
         assert outputs[-1].finish_reason == m.FinishReason.STOP
         assert client.num_in_flight == 0
         assert await client.utility("echo", 1, "a", timeout=5) == ["echo", 1, "a"]
@@ -46,6 +48,34 @@ async def test_handshake_and_generate(fake: FakeEngine) -> None:
     finally:
         await client.close()
     await wait_until(lambda: fake.goodbyes == 1)
+
+
+async def test_a_lagging_consumer_gets_the_queued_outputs_merged(fake: FakeEngine) -> None:
+    client = await _connected(fake)
+    try:
+        outputs = client.generate("r1", [1, 2], m.SamplingParams())
+        first = await anext(outputs)  # sends the request; the engine answers all three
+        await wait_until(lambda: client.output_queue("r1").qsize() == 2)
+        rest = [o async for o in outputs]
+        assert first.new_token_ids == [5]
+        assert len(rest) == 1 and rest[0].new_token_ids == [6, 7]
+        assert rest[0].finish_reason == m.FinishReason.STOP
+    finally:
+        await client.close()
+
+
+def test_merge_outputs_keeps_order_and_the_ends() -> None:
+    first = m.RequestOutput(
+        "r", [4], num_prompt_tokens=3, new_logprobs=[-0.5], queue_time_s=0.1, prefill_time_s=0.2
+    )
+    second = m.RequestOutput(
+        "r", [5, 2], m.FinishReason.STOP, stop_token_id=2, new_logprobs=[-1.0, -2.0]
+    )
+    merged = merge_outputs(first, second)
+    assert merged.new_token_ids == [4, 5, 2] and merged.new_logprobs == [-0.5, -1.0, -2.0]
+    assert merged.finish_reason == m.FinishReason.STOP and merged.stop_token_id == 2
+    assert (merged.num_prompt_tokens, merged.queue_time_s, merged.prefill_time_s) == (3, 0.1, 0.2)
+    assert merge_outputs(m.RequestOutput("r", [1]), m.RequestOutput("r", [2])).new_logprobs is None
 
 
 async def test_handshake_refused_carries_reason(fake: FakeEngine) -> None:
@@ -76,7 +106,7 @@ async def test_garbage_frames_are_dropped(fake: FakeEngine) -> None:
         fake.send_raw(b"\x93\xa3bad")
         fake.send_raw(b"not msgpack at all \xff")
         outputs = [o async for o in client.generate("r1", [1], m.SamplingParams())]
-        assert len(outputs) == 3 and client.is_alive
+        assert [t for o in outputs for t in o.new_token_ids] == [5, 6, 7] and client.is_alive
     finally:
         await client.close()
 

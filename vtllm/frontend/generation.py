@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -133,10 +134,12 @@ _DONE = _Done()
 class ChoiceMerger:
     """Runs every choice concurrently. ``async with`` it; call ``get(timeout)`` until it
     returns None (all done): a ``ChoiceDelta``, or ``asyncio.TimeoutError`` when nothing arrived in
-    ``timeout`` seconds (the merger keeps running). Errors of a choice, and the exception
-    given to ``interrupt``, are re-raised by ``get``. Leaving the block cancels (and so
-    aborts) unfinished choices. With a ``drain``, the merger is registered with it while
-    open, so a stopping server can interrupt it."""
+    ``timeout`` seconds (the merger keeps running). ``get_batch(timeout)`` is the same but
+    returns every delta that is ready at once (an empty list: all done), so a stream that
+    fell behind writes them in one go. Errors of a choice, and the exception given to
+    ``interrupt``, are re-raised by ``get`` (after the deltas that came before them).
+    Leaving the block cancels (and so aborts) unfinished choices. With a ``drain``, the
+    merger is registered with it while open, so a stopping server can interrupt it."""
 
     def __init__(
         self,
@@ -149,7 +152,10 @@ class ChoiceMerger:
         self._tokenizer = tokenizer
         self._jobs = list(jobs)
         self._drain = drain
-        self._queue: asyncio.Queue[ChoiceDelta | BaseException | _Done] = asyncio.Queue()
+        # a deque and one waiter, not an asyncio.Queue: a timed wait then costs a timer,
+        # not the task that asyncio.wait_for wraps around Queue.get (once per token)
+        self._items: deque[ChoiceDelta | BaseException | _Done] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._num_running = 0
 
@@ -173,25 +179,47 @@ class ChoiceMerger:
     def interrupt(self, exc: BaseException) -> None:
         """Make the next ``get`` raise ``exc`` (the choices keep running until the block
         is left)."""
-        self._queue.put_nowait(exc)
+        self._put(exc)
+
+    def _put(self, item: ChoiceDelta | BaseException | _Done) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def _pump(self, job: ChoiceJob) -> None:
         try:
             async for delta in run_choice(self._engine, self._tokenizer, job):
-                self._queue.put_nowait(delta)
+                self._put(delta)
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            self._queue.put_nowait(e)
+            self._put(e)
         finally:
-            self._queue.put_nowait(_DONE)
+            self._put(_DONE)
+
+    async def _wait(self, timeout: float | None) -> None:
+        """Until an item is queued; TimeoutError after ``timeout`` seconds without one."""
+        if self._items:
+            return
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = None
+        if timeout is not None:
+            timer = loop.call_later(timeout, lambda: waiter.done() or waiter.set_result(None))
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+        if not self._items:
+            raise asyncio.TimeoutError
 
     async def get(self, timeout: float | None = None) -> ChoiceDelta | None:
         while self._num_running > 0:
-            if timeout is None:
-                item = await self._queue.get()
-            else:
-                item = await asyncio.wait_for(self._queue.get(), timeout)
+            await self._wait(timeout)
+            item = self._items.popleft()
             if isinstance(item, _Done):
                 self._num_running -= 1
                 continue
@@ -199,6 +227,23 @@ class ChoiceMerger:
                 raise item
             return item
         return None
+
+    async def get_batch(self, timeout: float | None = None) -> list[ChoiceDelta]:
+        batch: list[ChoiceDelta] = []
+        while self._num_running > 0 and not batch:
+            await self._wait(timeout)
+            while self._items:
+                item = self._items.popleft()
+                if isinstance(item, _Done):
+                    self._num_running -= 1
+                elif isinstance(item, BaseException):
+                    if batch:  # the deltas before it go out first
+                        self._items.appendleft(item)
+                        return batch
+                    raise item
+                else:
+                    batch.append(item)
+        return batch
 
 
 async def collect(merger: ChoiceMerger) -> dict[int, list[ChoiceDelta]]:

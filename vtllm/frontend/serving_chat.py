@@ -20,7 +20,7 @@ from typing import Any
 from starlette.responses import Response, StreamingResponse
 
 from vtllm.frontend.chat_output import ChoiceOutput
-from vtllm.frontend.generation import ChoiceJob, ChoiceMerger, collect
+from vtllm.frontend.generation import ChoiceDelta, ChoiceJob, ChoiceMerger, collect
 from vtllm.frontend.logprobs import chat_logprobs
 from vtllm.frontend.openai_types import (
     ChatCompletionRequest,
@@ -53,7 +53,7 @@ from vtllm.frontend.sse import (
     SSE_DONE,
     SSE_HEADERS,
     SSE_KEEPALIVE,
-    deltas_with_keepalive,
+    delta_batches,
     sse_error,
     sse_event,
 )
@@ -307,30 +307,47 @@ async def _stream(
                 yield chunk(
                     [{"index": job.index, "delta": role, "logprobs": None, "finish_reason": None}]
                 )
-            async for item in deltas_with_keepalive(merger):
-                if item is KEEPALIVE:
+            async for batch in delta_batches(merger):
+                if batch is KEEPALIVE:
                     yield SSE_KEEPALIVE
                     continue
-                usage.add(item)
-                deltas, finish_reason = streamed[item.index].deltas(item.text, item.finish_reason)
-                if not deltas and finish_reason is None and not item.logprobs:
-                    continue
-                logprobs = chat_logprobs(ctx.tokenizer, item.logprobs) if request.logprobs else None
-                deltas = deltas or [{}]
-                for i, delta in enumerate(deltas):
-                    last = i == len(deltas) - 1
-                    yield chunk(
-                        [
-                            {
-                                "index": item.index,
-                                "delta": delta,
-                                "logprobs": logprobs if i == 0 else None,
-                                "finish_reason": finish_reason if last else None,
-                            }
-                        ]
-                    )
+                events = []
+                for item in batch:
+                    events.extend(_item_events(ctx, request, item, streamed, usage, chunk))
+                if events:
+                    yield b"".join(events)
         if request.include_usage:
             yield chunk([], usage=usage.to_dict())
         yield SSE_DONE
     except Exception as e:
         yield sse_error(e)
+
+
+def _item_events(
+    ctx: ServingContext,
+    request: ChatCompletionRequest,
+    item: ChoiceDelta,
+    streamed: dict[int, ChoiceOutput],
+    usage: UsageCounter,
+    chunk: Callable[..., bytes],
+) -> list[bytes]:
+    """The SSE events of one delta (none while the output parser holds text back)."""
+    usage.add(item)
+    deltas, finish_reason = streamed[item.index].deltas(item.text, item.finish_reason)
+    if not deltas and finish_reason is None and not item.logprobs:
+        return []
+    logprobs = chat_logprobs(ctx.tokenizer, item.logprobs) if request.logprobs else None
+    deltas = deltas or [{}]
+    return [
+        chunk(
+            [
+                {
+                    "index": item.index,
+                    "delta": delta,
+                    "logprobs": logprobs if i == 0 else None,
+                    "finish_reason": finish_reason if i == len(deltas) - 1 else None,
+                }
+            ]
+        )
+        for i, delta in enumerate(deltas)
+    ]

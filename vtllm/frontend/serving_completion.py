@@ -37,7 +37,7 @@ from vtllm.frontend.sse import (
     SSE_DONE,
     SSE_HEADERS,
     SSE_KEEPALIVE,
-    deltas_with_keepalive,
+    delta_batches,
     sse_error,
     sse_event,
 )
@@ -205,29 +205,35 @@ async def _stream(
                             }
                         ]
                     )
-            async for item in deltas_with_keepalive(merger):
-                if item is KEEPALIVE:
+            async for batch in delta_batches(merger):
+                if batch is KEEPALIVE:
                     yield SSE_KEEPALIVE
                     continue
-                usage.add(item)
-                if not item.text and item.finish_reason is None and not item.logprobs:
-                    continue
-                logprobs = None
-                if request.logprobs is not None:
-                    logprobs = completion_logprobs(
-                        ctx.tokenizer, item.logprobs, text_offsets[item.index]
+                events = []
+                for item in batch:
+                    usage.add(item)
+                    if not item.text and item.finish_reason is None and not item.logprobs:
+                        continue
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = completion_logprobs(
+                            ctx.tokenizer, item.logprobs, text_offsets[item.index]
+                        )
+                    text_offsets[item.index] += len(item.text)
+                    events.append(
+                        chunk(
+                            [
+                                {
+                                    "index": item.index,
+                                    "text": item.text,
+                                    "logprobs": logprobs,
+                                    "finish_reason": item.finish_reason,
+                                }
+                            ]
+                        )
                     )
-                text_offsets[item.index] += len(item.text)
-                yield chunk(
-                    [
-                        {
-                            "index": item.index,
-                            "text": item.text,
-                            "logprobs": logprobs,
-                            "finish_reason": item.finish_reason,
-                        }
-                    ]
-                )
+                if events:
+                    yield b"".join(events)
         if request.include_usage:
             yield chunk([], usage=usage.to_dict())
         yield SSE_DONE

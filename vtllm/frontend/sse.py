@@ -33,30 +33,31 @@ def sse_event(payload: Any) -> bytes:
 
 
 class KeepAlive:
-    """Marker yielded by ``deltas_with_keepalive`` when a keepalive comment is due."""
+    """Marker yielded by ``delta_batches`` when a keepalive comment is due."""
 
 
 KEEPALIVE = KeepAlive()
 
 
-async def deltas_with_keepalive(
+async def delta_batches(
     merger: ChoiceMerger, keepalive_s: float | None = None
-) -> AsyncIterator[ChoiceDelta | KeepAlive]:
-    """The merger's deltas, and ``KEEPALIVE`` after every ``keepalive_s`` seconds without
-    one, before the first delta or between any two (default ``VT_SSE_KEEPALIVE_S``;
-    <= 0 = no keepalives)."""
+) -> AsyncIterator[list[ChoiceDelta] | KeepAlive]:
+    """The merger's deltas, as the lists that were ready together (a stream writes each
+    list at once: one write per wake-up, however many tokens arrived meanwhile), and
+    ``KEEPALIVE`` after every ``keepalive_s`` seconds without one, before the first
+    delta or between any two (default ``VT_SSE_KEEPALIVE_S``; <= 0 = no keepalives)."""
     if keepalive_s is None:
         keepalive_s = envs.VT_SSE_KEEPALIVE_S
     timeout = keepalive_s if keepalive_s > 0 else None
     while True:
         try:
-            delta = await merger.get(timeout=timeout)
+            batch = await merger.get_batch(timeout=timeout)
         except asyncio.TimeoutError:
             yield KEEPALIVE
             continue
-        if delta is None:
+        if not batch:
             return
-        yield delta
+        yield batch
 
 
 def sse_error(exc: BaseException) -> bytes:

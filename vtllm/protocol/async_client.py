@@ -50,6 +50,7 @@ __all__ = [
     "HandshakeError",
     "RequestObserver",
     "UtilityError",
+    "merge_outputs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,30 @@ class RequestObserver(Protocol):
         """The request's consumer is done with it. ``finish_reason`` is the engine's
         (stop, length, abort, error), "abort" when the consumer left early, "error" when
         the engine died, or what the consumer set with ``set_finish_reason``."""
+
+
+def merge_outputs(first: m.RequestOutput, second: m.RequestOutput) -> m.RequestOutput:
+    """One output standing for two consecutive outputs of a request: the tokens (and
+    their logprobs) of both, in order; the end (finish reason, stop token, error) of the
+    second; what only a first output carries (prompt counts, engine timings, an
+    embedding) from whichever has it."""
+
+    def joined(a: list | None, b: list | None) -> list | None:
+        return None if a is None and b is None else [*(a or ()), *(b or ())]
+
+    return msgspec.structs.replace(
+        second,
+        new_token_ids=[*first.new_token_ids, *second.new_token_ids],
+        new_logprobs=joined(first.new_logprobs, second.new_logprobs),
+        new_top_logprobs=joined(first.new_top_logprobs, second.new_top_logprobs),
+        num_prompt_tokens=first.num_prompt_tokens or second.num_prompt_tokens,
+        num_cached_tokens=first.num_cached_tokens or second.num_cached_tokens,
+        queue_time_s=first.queue_time_s if first.queue_time_s is not None else second.queue_time_s,
+        prefill_time_s=first.prefill_time_s
+        if first.prefill_time_s is not None
+        else second.prefill_time_s,
+        embedding=first.embedding if first.embedding is not None else second.embedding,
+    )
 
 
 class _Dead:
@@ -192,7 +217,8 @@ class EngineClient:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[m.RequestOutput]:
-        """Add a request and yield its outputs until one carries a finish reason.
+        """Add a request and yield its outputs until one carries a finish reason. Outputs
+        that arrived while the consumer was busy come merged into one (``merge_outputs``).
 
         Raises EngineDeadError if the engine is (or becomes) dead. If the consumer stops
         early (break, cancellation, client disconnect) the request is aborted in the engine.
@@ -216,12 +242,21 @@ class EngineClient:
                     cache_salt=cache_salt,
                 )
             )
+            dead: _Dead | None = None
             while not finished:
-                item = await queue.get()
+                item = dead or await queue.get()
                 if isinstance(item, _Dead):
                     finished = True
                     finish_reason = "error"
                     raise EngineDeadError(item.reason)
+                # a consumer that fell behind takes every output queued meanwhile at once:
+                # its per-output work (detokenizing, an SSE write) is paid once, not per step
+                while item.finish_reason is None and not queue.empty():
+                    following = queue.get_nowait()
+                    if isinstance(following, _Dead):
+                        dead = following  # after what arrived before it
+                        break
+                    item = merge_outputs(item, following)
                 finished = item.finish_reason is not None
                 if item.finish_reason is not None:
                     finish_reason = item.finish_reason.openai_name
