@@ -172,6 +172,14 @@ class CacheConfig:
     enable_prefix_caching: bool = _opt(
         True, "Reuse the KV of shared prompt prefixes across requests."
     )
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "KV-cache element type: auto (the model's --dtype), bfloat16, float16, float32, "
+        "or fp8 (= fp8_e4m3: one byte per value, half of bf16, so twice the tokens fit; "
+        "per-layer k/v scales from the checkpoint, else 1.0; GPU only).",
+        choices=("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3"),
+        aliases={"bf16": "bfloat16", "fp16": "float16", "half": "float16"},
+    )
 
 
 @dataclass

@@ -199,10 +199,13 @@ def start_engine(config: VtllmConfig, model_dir: str, worker_address: str, dist_
             memory_flag="--kv-cache-memory on CPU, --gpu-memory-utilization on GPU",
         )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.3f GiB); max_model_len %d",
+            "KV cache: %d blocks of %d tokens (%.3f GiB, %d bytes/token, --kv-cache-dtype %s)"
+            "; max_model_len %d",
             fit.num_blocks,
             block_size,
             fit.num_blocks * block_size * facts.kv_bytes_per_token / 1024**3,
+            facts.kv_bytes_per_token,
+            config.cache.kv_cache_dtype,
             fit.max_model_len,
         )
         executor.init_kv_cache(fit.num_blocks, block_size)

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vtllm.worker.kv_cache_dtype import is_fp8
+
 
 @dataclass
 class AttentionGroup:
@@ -208,12 +210,16 @@ def write_kv_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens]
+    k_scale: torch.Tensor | None = None,  # [] fp32: the layer's scales, for FP8 caches
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store this step's K/V at their slots."""
-    if k_cache.is_cuda:  # CUDA and ROCm builds of torch alike
-        from vtllm.worker.kernels.reshape_and_cache import reshape_and_cache
+    """Store this step's K/V at their slots (quantised with the scales into an FP8
+    cache, see ``kv_cache_dtype.py``)."""
+    if k_cache.is_cuda or is_fp8(k_cache.dtype):  # CUDA and ROCm alike; FP8 caches
+        from vtllm.worker.kernels import reshape_and_cache as kernels
 
-        reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+        write = kernels.reshape_and_cache if k_cache.is_cuda else kernels.reshape_and_cache_ref
+        write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     num_kv_heads, head_dim = k_cache.shape[-2:]
     slot_mapping = slot_mapping.long()
@@ -286,10 +292,13 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,  # [] fp32: the layer's scales, for FP8 caches
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The attention every model calls: the Triton kernel when the metadata was built for
     it (on a CPU tensor: the kernel's own torch reference, same contract), else the
-    padded-batch torch reference."""
+    padded-batch torch reference. FP8 caches need the former (the worker refuses
+    ``--kv-cache-dtype fp8`` otherwise)."""
     if metadata.backend == "triton":
         from vtllm.worker.kernels import paged_attention as kernels
 
@@ -307,5 +316,9 @@ def paged_attention(
             sliding_window,
             max_seq_len=inputs.max_seq_len,
             num_kv_splits=inputs.num_kv_splits,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
+    if is_fp8(k_cache.dtype):
+        raise ValueError("an FP8 KV cache needs the Triton attention metadata (backend triton)")
     return paged_attention_ref(q, k_cache, v_cache, metadata, scale, sliding_window)

@@ -53,14 +53,18 @@ class ModelRunner:
         is_driver: bool = True,
         eos_token_ids: Sequence[int] = (),
         tokenizer_dir: str | Path | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         """``is_driver`` (rank 0) samples and builds outputs; other ranks only compute.
         ``eos_token_ids`` (the model's) are held back while a request is under
         ``min_tokens``. ``tokenizer_dir`` (its ``tokenizer.json``) gives structured
-        outputs their vocabulary; None = requests with a grammar fail."""
+        outputs their vocabulary; None = requests with a grammar fail.
+        ``kv_cache_dtype``: the cache's element type (``kv_cache_dtype.py``; default
+        ``dtype``)."""
         self.model = model
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.vocab_size = vocab_size
         self.is_driver = is_driver
         self.sampler = Sampler(seed, device)
@@ -89,6 +93,7 @@ class ModelRunner:
         load_format: str = "auto",
         max_model_len: int | None = None,
         quantization: str | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> ModelRunner:
         """Build the model from ``config.json`` and load its safetensors (``load_format``
         ``dummy``: random weights instead, seeded by ``seed``); rank 0 drives.
@@ -117,7 +122,9 @@ class ModelRunner:
         host_peak = host_window.close()
         eos_ids = read_eos_token_ids(model_dir, hf_config)
         vocab_size = hf_config["vocab_size"]
-        runner = cls(model, device, dtype, vocab_size, seed, tp.rank == 0, eos_ids, model_dir)
+        runner = cls(
+            model, device, dtype, vocab_size, seed, tp.rank == 0, eos_ids, model_dir, kv_cache_dtype
+        )
         runner.load_host_peak, runner.load_stats = host_peak, stats
         return runner
 
@@ -133,12 +140,13 @@ class ModelRunner:
         return (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate K and V ``[num_blocks, block_size, kv_heads, head_dim]`` per layer."""
+        """Allocate K and V ``[num_blocks, block_size, kv_heads, head_dim]`` per layer, in
+        ``kv_cache_dtype``."""
         shape = self.kv_cache_shape(num_blocks, block_size)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
             )
             for _ in self.model.model.layers
         ]

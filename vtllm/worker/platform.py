@@ -135,11 +135,10 @@ class Platform:
         """The e4m3 FP8 format of this device's hardware: ``float8_e4m3fnuz`` on MI300
         (gfx94x: bias 8, no negative zero, max 240), OCP ``float8_e4m3fn`` elsewhere
         (NVIDIA, RDNA4 gfx12, MI350 gfx950, CPU; max 448). Checkpoints are e4m3fn."""
+        arch = ""
         if self.kind is PlatformKind.ROCM:
             arch = torch.cuda.get_device_properties(self.device).gcnArchName
-            if arch.startswith("gfx94"):
-                return torch.float8_e4m3fnuz
-        return torch.float8_e4m3fn
+        return fp8_e4m3_dtype_for(self.kind, arch)
 
     @property
     def has_fp8_scaled_mm(self) -> bool:
@@ -169,6 +168,15 @@ class Platform:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
         return generator
+
+
+def fp8_e4m3_dtype_for(kind: PlatformKind, gcn_arch: str = "") -> torch.dtype:
+    """``float8_e4m3fnuz`` (bias 8, max 240) on ROCm gfx940-942 (MI300: the only e4m3 its
+    hardware converts), else the OCP ``float8_e4m3fn`` (max 448): NVIDIA, ROCm gfx950 and
+    gfx12 (RDNA4), and CPU. ``gcn_arch`` as ROCm names it (``gfx942:sramecc+:xnack-``)."""
+    if kind is PlatformKind.ROCM and gcn_arch.startswith("gfx94"):
+        return torch.float8_e4m3fnuz
+    return torch.float8_e4m3fn
 
 
 def detect_platform(local_rank: int = 0) -> Platform:

@@ -41,10 +41,11 @@ from vtllm.protocol import messages as m
 from vtllm.worker.decode_graphs import capture_sizes
 from vtllm.worker.distributed import destroy_distributed, init_distributed
 from vtllm.worker.heartbeat import HeartbeatSender
+from vtllm.worker.kv_cache_dtype import describe_kv_scales, is_fp8, resolve_kv_cache_dtype
 from vtllm.worker.loader.hf_config import load_hf_config, model_facts
 from vtllm.worker.loader.quant_config import resolve_quantization
 from vtllm.worker.memory_budget import memory_budget
-from vtllm.worker.model_runner import ModelRunner
+from vtllm.worker.model_runner import ModelRunner, attention_backend
 from vtllm.worker.platform import MemorySnapshot, Platform, detect_platform
 from vtllm.worker.sampler import penalty_state_bytes
 
@@ -111,6 +112,9 @@ def _serve(
         rank, world_size, platform.dist_backend, dist_init_address, platform.device
     )
     dtype = platform.resolve_dtype(config.model.dtype)
+    kv_dtype = resolve_kv_cache_dtype(
+        config.cache.kv_cache_dtype, dtype, platform, attention_backend(platform.device)
+    )
     hf_config = load_hf_config(model_dir)
     started = time.monotonic()
     logger.info("loading %s (%s) ...", model_dir, dtype)
@@ -123,6 +127,7 @@ def _serve(
         config.model.load_format,
         config.model.max_model_len,
         config.model.quantization,
+        kv_dtype,
     )
     quant = resolve_quantization(hf_config, config.model.quantization)
     logger.info(
@@ -135,7 +140,8 @@ def _serve(
     _log_weights_loaded(runner, platform, rank, world_size)
     attn = runner.model.model.layers[0].self_attn
     name = config.model.default_served_name(model_dir)
-    facts = model_facts(model_dir, hf_config, name, attn.num_kv_heads, attn.head_dim, dtype)
+    facts = model_facts(model_dir, hf_config, name, attn.num_kv_heads, attn.head_dim, kv_dtype)
+    _log_kv_cache_dtype(config, runner, kv_dtype, facts.kv_bytes_per_token)
     use_graphs = _use_graphs(config, platform, runner)
     heartbeat.phase = "profiling memory"
     started = time.monotonic()
@@ -232,6 +238,19 @@ def _log_weights_loaded(runner: ModelRunner, platform: Platform, rank: int, worl
         read,
         host,
     )
+
+
+def _log_kv_cache_dtype(
+    config: VtllmConfig, runner: ModelRunner, kv_dtype: torch.dtype, bytes_per_token: int
+) -> None:
+    """One start-up line: the KV cache's element type, its bytes per token on this rank
+    and, for FP8, the per-layer scales in use (kv_cache_dtype.py)."""
+    line = f"KV cache dtype {str(kv_dtype).removeprefix('torch.')}"
+    line += f" (--kv-cache-dtype {config.cache.kv_cache_dtype}): {bytes_per_token} bytes/token"
+    if is_fp8(kv_dtype):
+        layers = [layer.self_attn for layer in runner.model.model.layers]
+        line += f"; scales {describe_kv_scales(layers)}"
+    logger.info("%s", line)
 
 
 def _log_phase(what: str, started: float) -> None:

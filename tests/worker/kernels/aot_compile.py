@@ -60,6 +60,8 @@ _POINTER_TYPES = {
     "num_padded_ptr": "*i32",
     "pair_expert_ids_ptr": "*i32",
     "scale_ptr": "*fp32",
+    "k_scale_ptr": "*fp32",
+    "v_scale_ptr": "*fp32",
 }
 _FLOAT_SCALARS = {"scale_log2", "eps"}
 # e4m3 as each target's hardware has it (vtllm's Platform.fp8_dtype): MI300 (gfx942)
@@ -91,7 +93,7 @@ class Variant:
         return signature
 
 
-_ATTENTION = dict(SLIDING_WINDOW=0, NUM_KV_SPLITS=1)
+_ATTENTION = dict(SLIDING_WINDOW=0, NUM_KV_SPLITS=1, KV_FP8=False)
 _NO_SCALE = dict(W_SCALE=0, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1)
 _BLOCK_SCALES = dict(W_SCALE=2, SCALE_BLOCK_N=128, SCALE_BLOCK_K=128)
 VARIANTS = [
@@ -107,7 +109,23 @@ VARIANTS = [
         paged_attention._paged_attention_kernel,
         "fp16",
         dict(HEAD_DIM=80, HEAD_DIM_PAD=128, GROUP_SIZE=8, BLOCK_M=16, BLOCK_Q=2, TILE_N=64)
-        | dict(BLOCK_SIZE=32, SLIDING_WINDOW=4096, NUM_KV_SPLITS=8),
+        | dict(BLOCK_SIZE=32, SLIDING_WINDOW=4096, NUM_KV_SPLITS=8, KV_FP8=False),
+    ),
+    Variant(
+        "paged_attention/prefill-bf16-fp8kv-d128",
+        paged_attention._paged_attention_kernel,
+        "bf16",
+        dict(_ATTENTION, HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=4, BLOCK_M=64, BLOCK_Q=16)
+        | dict(TILE_N=32, BLOCK_SIZE=16, KV_FP8=True),
+        fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
+    ),
+    Variant(
+        "paged_attention/decode-split-bf16-fp8kv-d128",
+        paged_attention._paged_attention_kernel,
+        "bf16",
+        dict(HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=8, BLOCK_M=16, BLOCK_Q=2, TILE_N=64)
+        | dict(BLOCK_SIZE=16, SLIDING_WINDOW=0, NUM_KV_SPLITS=8, KV_FP8=True),
+        fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
     ),
     Variant(
         "paged_attention_reduce/fp16-d80",
@@ -119,8 +137,17 @@ VARIANTS = [
         "reshape_and_cache/bf16-d128",
         reshape_and_cache._reshape_and_cache_kernel,
         "bf16",
-        dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16),
+        dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, QUANTIZE=False, FP8_MAX=0.0),
         num_warps=1,
+    ),
+    Variant(
+        "reshape_and_cache/bf16-to-fp8-d128",
+        reshape_and_cache._reshape_and_cache_kernel,
+        "bf16",
+        # FP8_MAX: e4m3fn's; the kernel only clamps with it, so one value compiles both
+        dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, QUANTIZE=True, FP8_MAX=448.0),
+        num_warps=1,
+        fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
     ),
     Variant(
         "rms_norm/bf16-residual-gemma",

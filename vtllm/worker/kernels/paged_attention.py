@@ -31,6 +31,13 @@ that many programs, each over a contiguous share of the key tiles; they write
 unnormalised partial outputs with their running max and sum, and
 ``_paged_attention_reduce_kernel`` merges them. It pays off when a few long decodes
 would otherwise leave most of the GPU idle.
+
+FP8 caches (``worker/kv_cache_dtype.py``) hold ``K / k_scale`` and ``V / v_scale`` in
+e4m3. Dequantising is linear, so the kernel never multiplies a tile: it converts fp8 to
+the query's dtype (exact) and folds the scales into two scalars::
+
+    softmax(q · (k8 · k_scale) · scale) = softmax(q · k8 · (scale · k_scale))
+    Σ p · (v8 · v_scale)                = (Σ p · v8) · v_scale
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import math
 import torch
 
 from vtllm.worker.kernels._triton import tl, triton
+from vtllm.worker.kv_cache_dtype import dequantize_fp8_ref, is_fp8
 
 # A decode-only batch with fewer (sequence, KV head) programs than this is split over
 # the keys; roughly two waves on a 132-SM H100/H200 (MI300X has 304 CUs).
@@ -61,6 +69,8 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_seqs + 1]
     seq_lens_ptr,  # [num_seqs]
     block_tables_ptr,  # [num_seqs, max_num_blocks]
+    k_scale_ptr,  # [] fp32, read when KV_FP8
+    v_scale_ptr,  # [] fp32, read when KV_FP8
     num_seqs,
     scale_log2,  # softmax scale * log2(e): scores live in the log2 domain
     stride_q_token,
@@ -83,6 +93,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the caches hold e4m3 values of K / k_scale, V / v_scale
 ):
     q_block_id = tl.program_id(0)
     kv_head_id = tl.program_id(1)
@@ -138,6 +149,9 @@ def _paged_attention_kernel(
         kv_start = kv_start + split_id * tiles_per_split * TILE_N
         kv_end = tl.minimum(kv_start + tiles_per_split * TILE_N, kv_end)
 
+    qk_scale = scale_log2
+    if KV_FP8:
+        qk_scale = scale_log2 * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -157,7 +171,7 @@ def _paged_attention_kernel(
             mask=d_mask[:, None] & n_valid[None, :],
             other=0.0,
         )  # [HEAD_DIM_PAD, TILE_N]
-        s = tl.dot(q, k.to(q.dtype), input_precision="ieee") * scale_log2  # [BLOCK_M, TILE_N]
+        s = tl.dot(q, k.to(q.dtype), input_precision="ieee") * qk_scale  # [BLOCK_M, TILE_N]
         visible = row_valid[:, None] & n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if SLIDING_WINDOW > 0:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
@@ -179,6 +193,8 @@ def _paged_attention_kernel(
         )  # [TILE_N, HEAD_DIM_PAD]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         m_i = m_new
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
 
     if NUM_KV_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -275,6 +291,8 @@ def paged_attention(
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    k_scale: torch.Tensor | None = None,  # [] fp32, FP8 caches only
+    v_scale: torch.Tensor | None = None,  # [] fp32, FP8 caches only
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged keys and values.
 
@@ -287,13 +305,15 @@ def paged_attention(
 
     ``max_seq_len`` (a host-side hint, e.g. from the CPU copy of ``seq_lens``) lets the
     launcher pick the split-KV path for long decodes; ``num_kv_splits`` forces it
-    (a power of two > 1) or forces the single pass (1). Returns ``out``
-    ``[num_tokens, num_heads, head_dim]`` in q's dtype.
+    (a power of two > 1) or forces the single pass (1). An FP8 cache needs ``k_scale``
+    and ``v_scale`` (device scalars: keys are ``float(k_cache) * k_scale``); other caches
+    ignore them. Returns ``out`` ``[num_tokens, num_heads, head_dim]`` in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     num_seqs = seq_lens.shape[0]
     _check_inputs(q, k_cache, v_cache, query_start_loc, block_tables, num_seqs)
+    kv_fp8 = _check_scales(k_cache, k_scale, v_scale)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if cache_head_dim != head_dim:
@@ -338,6 +358,8 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         block_tables,
+        k_scale if kv_fp8 else seq_lens,  # unread without KV_FP8
+        v_scale if kv_fp8 else seq_lens,
         num_seqs,
         scale * math.log2(math.e),
         q.stride(0),
@@ -360,6 +382,7 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         SLIDING_WINDOW=sliding_window or 0,
         NUM_KV_SPLITS=num_kv_splits,
+        KV_FP8=kv_fp8,
         num_warps=4 if head_dim_pad <= 128 else 8,
         num_stages=2,
     )
@@ -379,6 +402,17 @@ def paged_attention(
             num_warps=4,
         )
     return out
+
+
+def _check_scales(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> bool:
+    """Whether the cache is FP8; ValueError when it comes without its two scales."""
+    if not is_fp8(k_cache.dtype):
+        return False
+    if k_scale is None or v_scale is None or k_scale.numel() != 1 or v_scale.numel() != 1:
+        raise ValueError(f"a {k_cache.dtype} KV cache needs k_scale and v_scale (one number each)")
+    return True
 
 
 def _check_inputs(
@@ -415,11 +449,18 @@ def paged_attention_ref(
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    k_scale: torch.Tensor | None = None,  # [] fp32, FP8 caches only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain-torch ``paged_attention`` (same contract), one sequence at a time in fp32.
+    """Plain-torch ``paged_attention`` (same contract), one sequence at a time in fp32
+    (an FP8 cache dequantised: ``float(cache) * scale``).
 
     ``max_seq_len`` and ``num_kv_splits`` only steer the kernel and are ignored here.
     """
+    if _check_scales(k_cache, k_scale, v_scale):
+        k_scale, v_scale = k_scale.float(), v_scale.float()
+    else:
+        k_scale = v_scale = None
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group_size = num_heads // num_kv_heads
@@ -435,6 +476,8 @@ def paged_attention_ref(
         blocks = block_tables[seq_id, key_pos // block_size].long()  # [seq_len]
         k = k_cache[blocks, key_pos % block_size].float()  # [seq_len, num_kv_heads, head_dim]
         v = v_cache[blocks, key_pos % block_size].float()
+        if k_scale is not None:
+            k, v = dequantize_fp8_ref(k, k_scale), dequantize_fp8_ref(v, v_scale)
         k = k.repeat_interleave(group_size, dim=1)  # [seq_len, num_heads, head_dim]
         v = v.repeat_interleave(group_size, dim=1)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [q_len]

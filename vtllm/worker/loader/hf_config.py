@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from vtllm.protocol.messages import ModelFacts
+from vtllm.worker.kv_cache_dtype import kv_bytes_per_token
 
 
 def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -64,17 +65,19 @@ def model_facts(
     model_name: str,
     num_kv_heads_per_rank: int,
     head_dim: int,
-    dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype,
 ) -> ModelFacts:
     """What rank ``r`` reports: ``kv_bytes_per_token = 2 × layers × kv_heads_per_rank ×
-    head_dim × dtype bytes`` (K and V of one token on this rank)."""
+    head_dim × KV-cache element bytes`` (K and V of one token on this rank; 1 byte for
+    an FP8 cache, see ``kv_cache_dtype.py``)."""
     num_layers = hf_config["num_hidden_layers"]
-    element_bytes = torch.empty(0, dtype=dtype).element_size()
     return ModelFacts(
         model_name=model_name,
         vocab_size=hf_config["vocab_size"],
         max_position_embeddings=hf_config.get("max_position_embeddings", 4096),
         eos_token_ids=eos_token_ids(model_dir, hf_config),
         num_layers=num_layers,
-        kv_bytes_per_token=2 * num_layers * num_kv_heads_per_rank * head_dim * element_bytes,
+        kv_bytes_per_token=kv_bytes_per_token(
+            num_layers, num_kv_heads_per_rank, head_dim, kv_cache_dtype
+        ),
     )

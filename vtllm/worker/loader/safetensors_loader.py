@@ -8,6 +8,9 @@ never on the host first) and converts the dtype. A loader that narrows rows touc
 this rank's pages. Once a tensor's loader returns, its pages leave this process's resident
 set, so the host cost of loading is one checkpoint tensor whatever the model's size; no
 list or dict of tensors is ever built. ``LoadStats`` counts what was read.
+Per-layer KV-cache scales (``self_attn.k_scale`` and the other layouts
+``kv_cache_dtype.kv_scale_buffers`` knows) fill the attention layers' scale buffers; they
+are optional.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vtllm.worker.kv_cache_dtype import checked_kv_scale, kv_scale_buffers
 from vtllm.worker.layers.linear import default_weight_loader
 from vtllm.worker.loader.safetensors_file import MappedSafetensors, SafetensorsFormatError
 
@@ -86,8 +90,17 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> LoadStats:
     unexpected: list[str] = []
     problems: list[str] = []
     stats = LoadStats()
+    buffers = dict(model.named_buffers())
     for name, tensor in iter_safetensors(model_dir, stats):
         if name.endswith(ignored):
+            continue
+        scale_buffers = kv_scale_buffers(name)
+        if scale_buffers and all(b in buffers for b in scale_buffers):
+            try:
+                for buffer_name in scale_buffers:
+                    buffers[buffer_name].copy_(checked_kv_scale(tensor))
+            except ValueError as e:
+                problems.append(f"{name}: {e}")
             continue
         param_name, shard_id = map_name(name) or _map_name(name, packed)
         param = params.get(param_name)

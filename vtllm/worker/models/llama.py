@@ -169,6 +169,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(q_size, args.hidden_size, args.o_bias, tp)
         self.q_norm = norm_cls(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = norm_cls(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        # per-layer FP8 KV-cache scales (kv_cache_dtype.py): the checkpoint's, else 1.0;
+        # unused by bf16/fp16/fp32 caches
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
 
     def forward(
         self,
@@ -188,9 +192,17 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         rotary(positions, q, k)  # in place
-        write_kv_cache(k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping)
+        k_cache, v_cache = kv_cache
+        write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
         o = paged_attention(
-            q, kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window
+            q,
+            k_cache,
+            v_cache,
+            metadata,
+            self.scale,
+            self.sliding_window,
+            self.k_scale,
+            self.v_scale,
         )  # [num_tokens, heads, head_dim]
         return self.o_proj(o.reshape(num_tokens, q_size))  # [num_tokens, hidden]
 
