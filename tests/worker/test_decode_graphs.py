@@ -62,6 +62,7 @@ def run_scenario(
     max_model_len: int = 64,
     platform: Platform | None = None,
     dtype: torch.dtype = torch.float32,
+    kv_cache_dtype: torch.dtype | None = None,
 ):
     """Five requests (two seeded-sampled, three greedy) through prefill, decode steps at
     batch sizes 5, 4 and 2, a mixed prefill+decode step, and decodes past
@@ -69,7 +70,9 @@ def run_scenario(
     graphs (real ones on a GPU ``platform``, the eager padded path on CPU). Returns the
     runner and every output."""
     platform = platform or cpu_platform()
-    runner = ModelRunner.from_model_dir(model_dir, platform.device, dtype, seed=0)
+    runner = ModelRunner.from_model_dir(
+        model_dir, platform.device, dtype, seed=0, kv_cache_dtype=kv_cache_dtype
+    )
     runner.init_kv_cache(num_blocks=128, block_size=4)
     runner.attention_backend = "triton"  # the kernel contract (its torch reference on CPU)
     if padded:
