@@ -210,3 +210,19 @@ def test_runner_allocates_the_cache_in_its_kv_dtype(qwen3_dir):
     assert k_cache.element_size() == 1
     config = json.loads((qwen3_dir / "config.json").read_text())
     assert k_cache.shape == (4, 8, config["num_key_value_heads"], config["head_dim"])
+
+
+def test_worker_logs_the_kv_dtype_and_the_scales_in_use(qwen3_dir, caplog):
+    from vtllm.config import VtllmConfig
+    from vtllm.worker.worker import _log_kv_cache_dtype
+
+    runner = ModelRunner.from_model_dir(qwen3_dir, torch.device("cpu"), torch.float32, 0)
+    runner.model.model.layers[1].self_attn.k_scale.fill_(0.5)
+    config = VtllmConfig()
+    config.cache.kv_cache_dtype = "fp8"
+    with caplog.at_level("INFO", logger="vtllm"):
+        _log_kv_cache_dtype(config, runner, torch.float8_e4m3fn, 512)
+    assert caplog.messages[-1] == (
+        "KV cache dtype float8_e4m3fn (--kv-cache-dtype fp8): 512 bytes/token; "
+        "scales k_scale 0.5..1, v_scale 1"
+    )
