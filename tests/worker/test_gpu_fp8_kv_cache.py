@@ -113,7 +113,7 @@ def _compare(reference: list, actual: list) -> tuple[int, int, float, float]:
 
 
 def _fp8_vs_bf16(model_dir, what: str, min_agree: float, max_mean: float) -> None:
-    fp8 = detect_platform(0).fp8_e4m3_dtype
+    fp8 = detect_platform(0).fp8_dtype
     bf16_eager = _run(model_dir, None, graphs=False, forced=None)
     fp8_eager = _run(model_dir, fp8, graphs=False, forced=bf16_eager)
     agree, picks, worst, mean = _compare(bf16_eager, fp8_eager)
@@ -155,7 +155,7 @@ def test_decode_graphs_over_an_fp8_cache_match_eager_steps(tmp_path):
 
     make_hf_model("qwen3", tmp_path)
     platform = detect_platform(0)
-    fp8 = platform.fp8_e4m3_dtype
+    fp8 = platform.fp8_dtype
     _, eager = run_scenario(tmp_path, False, 64, platform, kv_cache_dtype=fp8)
     runner, graphed = run_scenario(tmp_path, True, 64, platform, kv_cache_dtype=fp8)
     assert runner.kv_caches[0][0].dtype == fp8
