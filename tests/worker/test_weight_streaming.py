@@ -1,18 +1,18 @@
 """Weights stream from the checkpoint: the loader's host memory is one tensor, not the model.
 
-A Qwen3-MoE-shaped checkpoint of 64 MiB in three shards (174 tensors, the largest 4 MiB)
-loads in a fresh interpreter, so nothing else this test session did shows in its memory.
-On CPU the model's own parameters are host memory, so the child faults them in first
-(zero-fills them) and then opens a ``HostPeakWindow`` (kernel ``VmHWM``, reset at the
-window's start) around ``load_safetensors`` alone. The bound::
+A Qwen3-MoE-shaped checkpoint of 61 MiB in three shards (102 tensors, the largest the 16 MiB
+embedding and LM head) loads in a fresh interpreter, so nothing else this test session did
+shows in its memory. On CPU the model's own parameters are host memory, so the child faults
+them in first (zero-fills them) and then opens a ``HostPeakWindow`` (kernel ``VmHWM``, reset
+at the window's start) around ``load_safetensors`` alone. The bound::
 
-    peak RSS - RSS before loading  <=  largest checkpoint tensor + 4 MiB
+    peak RSS - RSS before loading  <=  largest checkpoint tensor + 5 MiB
 
 Loading a whole shard into a dict (``safetensors.torch.load_file``) breaks it, and the child
 measures exactly that as a control, so the measurement is shown able to see the failure.
-(So does the earlier ``safe_open`` + ``get_tensor`` loader: each tensor was copied out of a
-mapping whose pages stayed resident until the file closed, so the peak grew by a shard:
-+24 MiB here against +4.2 MiB now.)
+So does the earlier ``safe_open`` + ``get_tensor`` loader (each tensor copied out of a
+mapping whose pages stayed resident until the file closed): +26.8 MiB here, against +16.3
+MiB now; as rank 1 of 2, +18.4 MiB against +8.2 MiB (the second test's bound is 13 MiB).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-_SLACK_BYTES = 4 * 2**20
+# what a tensor's pages can bring beside it: the page-cache folio at each edge (up to 2 MiB
+# each: a fault maps the whole folio) and ~1 MiB of Python
+_SLACK_BYTES = 5 * 2**20
 _CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "model_type": "qwen3_moe",
@@ -39,10 +41,10 @@ _CONFIG = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 64,
-    "num_experts": 16,
-    "num_experts_per_tok": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
     "norm_topk_prob": True,
-    "vocab_size": 4096,
+    "vocab_size": 16384,
     "max_position_embeddings": 512,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
@@ -113,16 +115,19 @@ _CHILD = textwrap.dedent(
     from vtllm.worker.loader.safetensors_loader import load_safetensors
     from vtllm.worker.models import build_model
 
-    model_dir = sys.argv[1]
-    model = build_model(load_hf_config(model_dir), torch.device("cpu"), torch.float32, TPGroup())
+    model_dir, rank, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    tp = TPGroup(rank=rank, size=size)  # loading needs no collective: no process group
+    model = build_model(load_hf_config(model_dir), torch.device("cpu"), torch.float32, tp)
     for param in model.parameters():  # on CPU the parameters are host memory: fault them in
         param.data.zero_()
     window = HostPeakWindow()
     stats = load_safetensors(model, model_dir)
     loader = window.close()
-    expert = model.model.layers[2].mlp.experts.w13_weight[11, 384:]  # expert 11's up
+    width = 384 // size  # this rank's rows of expert 5's up projection
+    expert = model.model.layers[2].mlp.experts.w13_weight[5, width:]
     with safe_open(f"{model_dir}/model-00003-of-00003.safetensors", "pt") as f:
-        loaded_right = torch.equal(expert, f.get_tensor("model.layers.2.mlp.experts.11.up_proj.weight"))
+        full = f.get_tensor("model.layers.2.mlp.experts.5.up_proj.weight")
+        loaded_right = torch.equal(expert, full.narrow(0, rank * width, width))
     window = HostPeakWindow()  # the control: one shard read whole into a dict
     tensors = load_file(f"{model_dir}/model-00001-of-00003.safetensors")
     checksum = sum(float(t.sum()) for t in tensors.values())  # read every tensor, as a loader would
@@ -138,12 +143,17 @@ _CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux VmHWM")
-def test_loader_host_memory_is_one_tensor_not_the_checkpoint(tmp_path):
-    checkpoint_bytes = _write_checkpoint(tmp_path)
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[Path, int]:
+    model_dir = tmp_path_factory.mktemp("streamed")
+    return model_dir, _write_checkpoint(model_dir)
+
+
+def _load_in_child(model_dir: Path, rank: int = 0, size: int = 1) -> dict:
+    """Run ``_CHILD`` as tensor-parallel rank ``rank`` of ``size``; its JSON report."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     child = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(tmp_path)],
+        [sys.executable, "-c", _CHILD, str(model_dir), str(rank), str(size)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -154,9 +164,16 @@ def test_loader_host_memory_is_one_tensor_not_the_checkpoint(tmp_path):
     if result["source"] != "VmHWM":
         pytest.skip("this kernel refuses to reset the peak RSS (/proc/self/clear_refs)")
     assert result["loaded_right"]
+    return result
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux VmHWM")
+def test_loader_host_memory_is_one_tensor_not_the_checkpoint(checkpoint):
+    model_dir, checkpoint_bytes = checkpoint
+    result = _load_in_child(model_dir)
     assert result["num_files"] == 3
     assert result["checkpoint_bytes"] == checkpoint_bytes  # every tensor read, once
-    assert result["largest"] == 4096 * 256 * 4  # the embedding / LM head
+    assert result["largest"] == 16384 * 256 * 4  # the embedding / LM head
     bound = result["largest"] + _SLACK_BYTES
     assert result["extra"] <= bound, (
         f"loading raised the host RSS by {result['extra'] / 2**20:.1f} MiB; one tensor "
@@ -164,8 +181,22 @@ def test_loader_host_memory_is_one_tensor_not_the_checkpoint(tmp_path):
         f"(checkpoint {checkpoint_bytes / 2**20:.0f} MiB)"
     )
     # the control: a whole shard in a dict must show, or the bound above proves nothing
-    assert result["shard_bytes"] > 2 * bound
-    assert result["control_extra"] >= result["shard_bytes"]
+    assert result["control_extra"] >= result["shard_bytes"] > bound
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux VmHWM")
+def test_a_tensor_parallel_rank_reads_only_its_rows(checkpoint):
+    """Rank 1 of 2: the largest tensors (embedding, LM head: 16 MiB each) split by rows,
+    so the rank touches only its 8 MiB of their pages (+ the same slack): under 16 MiB, so
+    reading them whole breaks the bound."""
+    model_dir, _ = checkpoint
+    result = _load_in_child(model_dir, rank=1, size=2)
+    bound = result["largest"] // 2 + _SLACK_BYTES
+    assert bound < result["largest"]
+    assert result["extra"] <= bound, (
+        f"rank 1 of 2 raised the host RSS by {result['extra'] / 2**20:.2f} MiB; its half of "
+        f"the largest tensor + {_SLACK_BYTES / 2**20:.0f} MiB = {bound / 2**20:.2f} MiB allowed"
+    )
 
 
 @pytest.mark.gpu
@@ -173,7 +204,7 @@ def test_loader_host_memory_is_one_tensor_not_the_checkpoint(tmp_path):
 @pytest.mark.parametrize("load_format", ["auto", "dummy"])
 def test_weights_go_to_the_gpu_without_the_host_holding_them(tmp_path, load_format):
     """On a GPU the host's RSS while loading stays near one tensor: a 1.6 GiB bf16
-    checkpoint (48 MiB shards of 1 MiB expert tensors; 128 MiB allowed for CUDA's staging
+    checkpoint (~50 MiB shards of 1 MiB expert tensors; 128 MiB allowed for CUDA's staging
     and Python), and random weights of a 16 GiB model (``--load-format dummy``: initialised
     on the device)."""
     from vtllm.bench import write_shape_dir

@@ -52,6 +52,8 @@ _DTYPES: dict[str, torch.dtype] = {
     if dtype is not None
 }
 _MAX_HEADER_BYTES = 100 * 2**20  # the format's own cap
+# the largest page-cache folio: a PMD (512 entries of 8 bytes per page: 2 MiB on 4 KiB pages)
+_FOLIO_MARGIN = mmap.PAGESIZE * (mmap.PAGESIZE // 8)
 
 
 class SafetensorsFormatError(ValueError):
@@ -105,13 +107,18 @@ class MappedSafetensors:
         return raw.view(entry.dtype).view(entry.shape)
 
     def release(self, name: str) -> None:
-        """Drop ``name``'s pages from this process's resident set (the whole pages it
-        spans; a neighbour sharing an edge page just refaults it)."""
+        """Drop ``name``'s pages from this process's resident set, with ``_FOLIO_MARGIN``
+        either side: a fault maps the whole page-cache folio it hits (large folios reach
+        the PMD size) and its neighbours (fault-around), so touching one tensor also maps
+        the edges of the tensors beside it. Tensors released in file order so leave
+        nothing mapped behind them; a neighbour whose pages go early just refaults them."""
         entry = self.entries[name]
         if self._map is None or entry.num_bytes == 0 or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = entry.begin - entry.begin % mmap.PAGESIZE
-        self._map.madvise(mmap.MADV_DONTNEED, start, entry.end - start)
+        start = max(0, entry.begin - _FOLIO_MARGIN)
+        start -= start % mmap.PAGESIZE
+        stop = min(len(self._map), entry.end + _FOLIO_MARGIN)
+        self._map.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def close(self) -> None:
         """Unmap. A view still alive somewhere keeps the mapping (the buffer is exported);
