@@ -97,6 +97,49 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": 151643,
         "eos_token_id": 151645,
     },
+    # google/gemma-4-26B-A4B-it's text_config (the release is a Gemma4ForConditionalGeneration;
+    # its text decoder alone here): 30 layers, every 6th full attention with head_dim 512 and
+    # 2 KV heads shared by k and v, a 2112-wide dense MLP beside 128 experts (top 8, 704 wide)
+    "gemma4-26b-moe": {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "hidden_size": 2816,
+        "intermediate_size": 2112,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "num_global_key_value_heads": 2,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "attention_k_eq_v": True,
+        "enable_moe_block": True,
+        "num_experts": 128,
+        "top_k_experts": 8,
+        "moe_intermediate_size": 704,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0,
+        "use_double_wide_mlp": False,
+        "layer_types": [
+            "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(30)
+        ],
+        "sliding_window": 1024,
+        "rope_parameters": {
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+        "final_logit_softcapping": 30.0,
+        "max_position_embeddings": 262144,
+        "vocab_size": 262144,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "use_bidirectional_attention": "vision",
+        "eos_token_id": [1, 106],
+    },
 }
 
 

@@ -29,6 +29,8 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration",
 )
 
 

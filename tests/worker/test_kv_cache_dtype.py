@@ -89,8 +89,8 @@ def test_quantise_round_trip_and_saturation(fp8):
 
 def test_fp8_halves_bytes_per_token_and_doubles_the_pool(qwen3_dir):
     hf = load_hf_config(qwen3_dir)
-    bf16 = model_facts(qwen3_dir, hf, "m", 2, 32, torch.bfloat16).kv_bytes_per_token
-    fp8 = model_facts(qwen3_dir, hf, "m", 2, 32, torch.float8_e4m3fn).kv_bytes_per_token
+    bf16 = model_facts(qwen3_dir, hf, "m", [(2, 32)] * 2, torch.bfloat16).kv_bytes_per_token
+    fp8 = model_facts(qwen3_dir, hf, "m", [(2, 32)] * 2, torch.float8_e4m3fn).kv_bytes_per_token
     # K and V x 2 layers x 2 KV heads x head_dim 32 x element bytes
     assert (bf16, fp8) == (2 * 2 * 2 * 32 * 2, 2 * 2 * 2 * 32 * 1)
     assert kv_bytes_per_token(48, 4, 128, torch.float8_e4m3fnuz) == 48 * 1024

@@ -106,6 +106,72 @@ def hf_config(kind: str):
             sliding_window=SLIDING_WINDOW,
             tie_word_embeddings=False,
         )
+    if kind.startswith("gemma4"):
+        return _gemma4_config(kind)
+    raise ValueError(kind)
+
+
+def _gemma4_config(kind: str):
+    """Gemma 4 text configs shaped like the released checkpoints, shrunk:
+
+    * ``gemma4_moe`` (26B-A4B): dense MLP beside 8 experts (top 2), full layers with
+      ``attention_k_eq_v``, their own head_dim and KV heads, proportional rope;
+    * ``gemma4_dense`` (31B): the same attention, no experts;
+    * ``gemma4_ple`` (E2B/E4B): per-layer inputs, the last 2 of 5 layers share KV (and have
+      a double-wide MLP), separate k and v projections on full layers;
+    * ``gemma4_wrapper``: ``gemma4_moe``'s text inside ``Gemma4ForConditionalGeneration``
+      with a vision tower (the form Google releases).
+    """
+    import transformers
+
+    sliding, full = "sliding_attention", "full_attention"
+    text = dict(
+        **{**_COMMON, "num_hidden_layers": 4},
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=[sliding, full, sliding, full],
+        rope_parameters={
+            sliding: {"rope_type": "default", "rope_theta": 100.0},
+            full: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e4},
+        },
+        final_logit_softcapping=0.5,
+        hidden_size_per_layer_input=0,
+        tie_word_embeddings=True,
+    )
+    moe = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=24)
+    if kind == "gemma4_moe":
+        return transformers.Gemma4TextConfig(**text, **moe)
+    if kind == "gemma4_dense":
+        return transformers.Gemma4TextConfig(**text)
+    if kind == "gemma4_ple":
+        return transformers.Gemma4TextConfig(
+            **{
+                **text,
+                "num_hidden_layers": 5,
+                "layer_types": [sliding, full, sliding, sliding, full],
+                "attention_k_eq_v": False,
+                "num_global_key_value_heads": None,
+                "hidden_size_per_layer_input": 8,
+            },
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            vocab_size_per_layer_input=VOCAB_SIZE,
+        )
+    if kind == "gemma4_wrapper":
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
+        return transformers.Gemma4Config(
+            text_config={**text, **moe}, vision_config=vision, audio_config=None
+        )
     raise ValueError(kind)
 
 
@@ -118,11 +184,19 @@ def make_hf_model(kind: str, out_dir: Path, seed: int = 0, **overrides):
     config = hf_config(kind)
     for key, value in overrides.items():
         setattr(config, key, value)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # give norms and biases non-trivial values
+    if isinstance(config, transformers.Gemma4Config):  # a multimodal wrapper
+        model = transformers.Gemma4ForConditionalGeneration._from_config(
+            config, dtype=torch.float32
+        )
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # give norms, scales and biases non-trivial values
         for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith(("bias", "scale")):
                 param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4: a learned scale kept as a buffer
+                buffer.mul_(1 + torch.randn_like(buffer) * 0.1)
     model.eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     return model

@@ -135,20 +135,28 @@ class ModelRunner:
 
     # -- KV cache -------------------------------------------------------------------
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+    def kv_cache_specs(self) -> list[tuple[int, int]]:
+        """``(num_kv_heads on this rank, head_dim)`` of each KV cache: one per layer, all
+        alike, unless the model lists its own (``model.kv_cache_specs()``: Gemma 4, whose
+        full-attention layers have other head shapes and whose KV-sharing layers own none)."""
+        specs = getattr(self.model, "kv_cache_specs", None)
+        if specs is not None:
+            return specs()
         attn = self.model.model.layers[0].self_attn
-        return (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        return [(attn.num_kv_heads, attn.head_dim)] * len(self.model.model.layers)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate K and V ``[num_blocks, block_size, kv_heads, head_dim]`` per layer, in
-        ``kv_cache_dtype``."""
-        shape = self.kv_cache_shape(num_blocks, block_size)
+        """Allocate K and V ``[num_blocks, block_size, kv_heads, head_dim]`` per entry of
+        ``kv_cache_specs()``, in ``kv_cache_dtype``."""
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
             )
-            for _ in self.model.model.layers
+            for shape in (
+                (num_blocks, block_size, num_kv_heads, head_dim)
+                for num_kv_heads, head_dim in self.kv_cache_specs()
+            )
         ]
         self.block_size = block_size
         self.decode_graphs = None  # they point into the old cache
@@ -360,14 +368,14 @@ def _make_output(
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
-    """Random weights of the right shapes: N(0, std) for matrices, 1 for norm weights
-    (so activations stay in range and benchmarks exercise realistic numerics). Filled in
-    place where the parameters live (on the GPU: a device generator; the host holds
-    nothing)."""
+    """Random weights of the right shapes: N(0, std) for matrices, 1 for norm weights and
+    scales, 0 for biases (so activations stay in range and benchmarks exercise realistic
+    numerics). Filled in place where the parameters live (on the GPU: a device generator;
+    the host holds nothing)."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        if param.dim() == 1:
-            param.fill_(1.0 if "norm" in name else 0.0)
+        if param.dim() == 1:  # norm weights and scales (Gemma 4's router, layer_scalar): 1
+            param.fill_(1.0 if "norm" in name or name.endswith(("scale", "scalar")) else 0.0)
             continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)

@@ -138,9 +138,8 @@ def _serve(
         quant.describe() if quant else "not quantised",
     )
     _log_weights_loaded(runner, platform, rank, world_size)
-    attn = runner.model.model.layers[0].self_attn
     name = config.model.default_served_name(model_dir)
-    facts = model_facts(model_dir, hf_config, name, attn.num_kv_heads, attn.head_dim, kv_dtype)
+    facts = model_facts(model_dir, hf_config, name, runner.kv_cache_specs(), kv_dtype)
     _log_kv_cache_dtype(config, runner, kv_dtype, facts.kv_bytes_per_token)
     use_graphs = _use_graphs(config, platform, runner)
     heartbeat.phase = "profiling memory"

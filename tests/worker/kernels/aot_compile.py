@@ -153,14 +153,14 @@ VARIANTS = [
         "rms_norm/bf16-residual-gemma",
         rms_norm._rms_norm_kernel,
         "bf16",
-        dict(BLOCK=4096, HAS_RESIDUAL=True, GEMMA=True),
+        dict(BLOCK=4096, HAS_RESIDUAL=True, GEMMA=True, WEIGHT_OFFSET=1.0),
         num_warps=8,
     ),
     Variant(
         "rms_norm/fp16-plain",
         rms_norm._rms_norm_kernel,
         "fp16",
-        dict(BLOCK=128, HAS_RESIDUAL=False, GEMMA=False),
+        dict(BLOCK=128, HAS_RESIDUAL=False, GEMMA=False, WEIGHT_OFFSET=1.0),
         num_warps=1,
     ),
     Variant(

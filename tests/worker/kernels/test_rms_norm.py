@@ -59,3 +59,17 @@ def test_strided_rows(device, generator):
 @pytest.mark.parametrize(("with_residual", "gemma"), [(False, False), (True, False), (True, True)])
 def test_gpu_matches_reference(dtype, shape, with_residual, gemma, device):
     _check(shape, dtype, device, torch.Generator().manual_seed(4), with_residual, gemma)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemma4_weight_without_offset(with_residual, device, generator):
+    """``weight_offset=0.0`` (Gemma 4): the weight itself, multiplied in fp32 before the
+    one rounding, as transformers' ``Gemma4RMSNorm`` does it."""
+    x, residual, weight = _inputs((5, 3, 80), torch.float16, device, generator, with_residual)
+    expected, _ = rms_norm_ref(x, weight, 1e-6, residual, gemma=True, weight_offset=0.0)
+    actual, _ = rms_norm(x, weight, 1e-6, residual, gemma=True, weight_offset=0.0)
+    assert_close(actual, expected, "gemma4")
+    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    h = h.float()
+    by_hand = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5) * weight.float()
+    torch.testing.assert_close(expected, by_hand.to(x.dtype))

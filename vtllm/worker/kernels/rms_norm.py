@@ -5,7 +5,9 @@ Rounding follows the Hugging Face models the reference layers match:
 * residual add in the activation dtype (``h = x + residual``, rounded), the norm read
   from the rounded ``h``;
 * Llama: ``weight * (h * rstd).to(dtype)`` (``layers/norm.py``);
-* Gemma (``gemma=True``): ``(h * rstd * (1 + weight)).to(dtype)`` with all math in fp32.
+* Gemma (``gemma=True``): ``(h * rstd * (1 + weight)).to(dtype)`` with all math in fp32;
+  Gemma 4 (``gemma=True, weight_offset=0.0``): ``(h * rstd * weight).to(dtype)``, the same
+  fp32 product without the ``1 +``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     GEMMA: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr,  # GEMMA only: 1.0 (Gemma 1-3) or 0.0 (Gemma 4)
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -44,7 +47,7 @@ def _rms_norm_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / hidden_size + eps)
     weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     if GEMMA:
-        out = x32 * rstd * (1.0 + weight.to(tl.float32))
+        out = x32 * rstd * (WEIGHT_OFFSET + weight.to(tl.float32))
     else:
         out = (x32 * rstd).to(x.dtype) * weight.to(x.dtype)
     tl.store(out_ptr + row * stride_out_row + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -56,11 +59,13 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [..., hidden_size]
     gemma: bool = False,
+    weight_offset: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(normed, new_residual)``: RMSNorm of ``x + residual`` (or of ``x``).
 
     ``new_residual`` is ``x + residual`` in x's dtype, or ``None`` without a residual.
-    ``gemma`` scales by ``1 + weight`` instead of ``weight``. Leading axes are
+    ``gemma`` scales by ``weight_offset + weight`` in fp32 before rounding instead of by
+    ``weight`` after it (``weight_offset`` 1.0: Gemma 1-3; 0.0: Gemma 4). Leading axes are
     flattened into rows (e.g. ``[num_tokens, num_heads, head_dim]`` for a per-head
     q/k norm); the last axis must be contiguous. Outputs are new tensors in x's dtype.
     """
@@ -92,6 +97,7 @@ def rms_norm(
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
             GEMMA=gemma,
+            WEIGHT_OFFSET=float(weight_offset),
             num_warps=min(16, max(1, block // 512)),
         )
     new_residual = None if residual_out is None else residual_out.view(x.shape)
@@ -104,6 +110,7 @@ def rms_norm_ref(
     eps: float,
     residual: torch.Tensor | None = None,  # [..., hidden_size]
     gemma: bool = False,
+    weight_offset: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Plain-torch ``rms_norm`` (same contract)."""
     dtype = x.dtype
@@ -112,7 +119,7 @@ def rms_norm_ref(
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if gemma:
-        out = (normed * (1.0 + weight.float())).to(dtype)
+        out = (normed * (weight_offset + weight.float())).to(dtype)
     else:
         out = normed.to(dtype) * weight.to(dtype)
     return out, (x if residual is not None else None)

@@ -18,10 +18,9 @@ Checkpoints store one tensor per expert and projection (``...experts.{e}.gate_pr
 id ``(e, "gate" | "up" | "down")``, and each parameter lists its expected shard ids in
 ``shard_ids`` for the loader's missing-tensor check.
 
-Extension points (not built yet): Gemma 4 routes through its own scaled router and calls
-``FusedMoE`` with ``activation="gelu_pytorch_tanh"`` and its own ``(weights, ids)``; its
-stacked ``experts.gate_up_proj [E, 2I, H]`` tensors need one more ``weight_loader`` case (a
-whole-tensor shard id that narrows each half per rank).
+Gemma 4 (``models/gemma4.py``) routes through its own scaled router and runs
+``StackedExperts``, a ``FusedMoE`` whose loader takes the stacked ``experts.gate_up_proj
+[E, 2I, H]`` / ``experts.down_proj [E, H, I]`` tensors whole and splits them per expert.
 
 FP8 experts (``layers/fp8.py``): the two parameters become e4m3 and gain
 ``w13_weight_scale`` / ``w2_weight_scale`` (per row) or ``..._weight_scale_inv`` (per block)

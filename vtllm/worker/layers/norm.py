@@ -3,6 +3,9 @@
 * ``RMSNorm`` (Llama): ``w * normed(x).to(dtype)``, the weight applied after the cast.
 * ``GemmaRMSNorm`` (Gemma): ``(normed(x) * (1 + w)).to(dtype)``; the checkpoint stores the
   zero-centred ``w`` and the product happens before the cast.
+* ``Gemma4RMSNorm`` (Gemma 4): ``(normed(x) * w).to(dtype)``, the product before the cast;
+  ``ScalelessRMSNorm``: ``normed(x).to(dtype)``, no weight at all (Gemma 4's value and
+  router norms).
 
 ``norm(x)`` returns the normed ``x``; ``norm(x, residual)`` returns
 ``(normed(x + residual), x + residual)`` with the add rounded to the activation dtype, as
@@ -20,6 +23,7 @@ from vtllm.worker.layers.linear import default_weight_loader
 
 class RMSNorm(nn.Module):
     gemma = False
+    weight_offset = 1.0  # with ``gemma``: the scale is ``weight_offset + w``
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -33,7 +37,9 @@ class RMSNorm(nn.Module):
         from vtllm.worker.kernels import rms_norm as kernels
 
         norm = kernels.rms_norm if x.is_cuda else kernels.rms_norm_ref
-        normed, new_residual = norm(x, self.weight, self.eps, residual, gemma=self.gemma)
+        normed, new_residual = norm(
+            x, self.weight, self.eps, residual, gemma=self.gemma, weight_offset=self.weight_offset
+        )
         return normed if residual is None else (normed, new_residual)
 
     def add_and_norm(
@@ -48,3 +54,18 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(RMSNorm):
     gemma = True
+
+
+class Gemma4RMSNorm(RMSNorm):
+    gemma = True
+    weight_offset = 0.0
+
+
+class ScalelessRMSNorm(Gemma4RMSNorm):
+    """``normed(x)`` with no learned weight: a constant ones buffer stands in for it, so
+    the loader expects no tensor."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        nn.Module.__init__(self)
+        self.eps = eps
+        self.register_buffer("weight", torch.ones(hidden_size), persistent=False)

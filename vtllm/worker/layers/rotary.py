@@ -1,7 +1,9 @@
 """Rotary position embedding (rotate-half / NeoX layout, as HF Llama uses).
 
-Frequencies come from ``rope_theta`` and an optional scaling: ``default``, ``linear`` or
-``llama3``. Both the old (``rope_theta`` + ``rope_scaling``) and the transformers-5
+Frequencies come from ``rope_theta`` and an optional scaling: ``default``, ``linear``,
+``llama3`` or ``proportional`` (Gemma 4's global layers: only the first
+``partial_rotary_factor`` of the frequency pairs turn, the rest have frequency 0, i.e. the
+identity rotation, over the full ``head_dim``). Both the old (``rope_theta`` + ``rope_scaling``) and the transformers-5
 (``rope_parameters``) config.json spellings are read.
 """
 
@@ -36,9 +38,14 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         inv_freq = inv_freq / float(params["factor"])
     elif rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, params)
+    elif rope_type == "proportional":
+        num_rotated = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        inv_freq[num_rotated:] = 0.0
+        inv_freq = inv_freq / float(params.get("factor", 1.0))
     else:
         raise NotImplementedError(
-            f"rope scaling {rope_type!r} is not supported (default, linear, llama3 are)"
+            f"rope scaling {rope_type!r} is not supported (default, linear, llama3, "
+            "proportional are)"
         )
     return inv_freq.float()
 

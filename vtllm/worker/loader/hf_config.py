@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,12 +12,28 @@ import torch
 from vtllm.protocol.messages import ModelFacts
 from vtllm.worker.kv_cache_dtype import kv_bytes_per_token
 
+# multimodal wrappers served as their text decoder alone (the model skips the towers)
+TEXT_ONLY_WRAPPERS = ("Gemma4ForConditionalGeneration",)
+
 
 def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """``config.json``; for a ``TEXT_ONLY_WRAPPERS`` architecture, its text part."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; --model must be a HF-style model directory")
-    return json.loads(path.read_text())
+    return text_part(json.loads(path.read_text()))
+
+
+def text_part(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """A ``TEXT_ONLY_WRAPPERS`` config with its ``text_config`` folded in (the wrapper's
+    own keys, e.g. ``architectures``, ``eos_token_id``, ``quantization_config``, win);
+    any other config unchanged."""
+    architectures = hf_config.get("architectures") or [""]
+    text = hf_config.get("text_config")
+    if architectures[0] not in TEXT_ONLY_WRAPPERS or not isinstance(text, dict):
+        return hf_config
+    towers = ("text_config", "vision_config", "audio_config", "model_type")
+    return {**text, **{k: v for k, v in hf_config.items() if k not in towers}}
 
 
 def eos_token_ids(model_dir: str | Path, hf_config: dict[str, Any]) -> list[int]:
@@ -63,13 +80,12 @@ def model_facts(
     model_dir: str | Path,
     hf_config: dict[str, Any],
     model_name: str,
-    num_kv_heads_per_rank: int,
-    head_dim: int,
+    kv_cache_specs: Sequence[tuple[int, int]],
     kv_cache_dtype: torch.dtype,
 ) -> ModelFacts:
-    """What rank ``r`` reports: ``kv_bytes_per_token = 2 × layers × kv_heads_per_rank ×
-    head_dim × KV-cache element bytes`` (K and V of one token on this rank; 1 byte for
-    an FP8 cache, see ``kv_cache_dtype.py``)."""
+    """What rank ``r`` reports: ``kv_bytes_per_token = 2 × Σ kv_heads_per_rank × head_dim
+    × KV-cache element bytes`` over the KV caches (``ModelRunner.kv_cache_specs()``: K and
+    V of one token on this rank; 1 byte for an FP8 cache, see ``kv_cache_dtype.py``)."""
     num_layers = hf_config["num_hidden_layers"]
     return ModelFacts(
         model_name=model_name,
@@ -77,7 +93,8 @@ def model_facts(
         max_position_embeddings=hf_config.get("max_position_embeddings", 4096),
         eos_token_ids=eos_token_ids(model_dir, hf_config),
         num_layers=num_layers,
-        kv_bytes_per_token=kv_bytes_per_token(
-            num_layers, num_kv_heads_per_rank, head_dim, kv_cache_dtype
+        kv_bytes_per_token=sum(
+            kv_bytes_per_token(1, num_kv_heads, head_dim, kv_cache_dtype)
+            for num_kv_heads, head_dim in kv_cache_specs
         ),
     )

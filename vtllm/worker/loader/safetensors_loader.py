@@ -81,7 +81,11 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> LoadStats:
     """
     params = dict(model.named_parameters())  # tied parameters appear once, first name
     packed = getattr(model, "packed_modules_mapping", {})
+    # (name) -> the name the model's own modules use (a multimodal wrapper's text decoder)
+    rename = getattr(model, "checkpoint_text_name", lambda name: name)
     ignored = getattr(model, "ignored_checkpoint_suffixes", ())
+    # (name) -> True for tensors the model has no use for (a multimodal wrapper's towers)
+    skips = getattr(model, "skips_checkpoint_tensor", lambda name: False)
     # (name) -> (parameter name, shard id) | None: names the packed mapping cannot express
     # (one tensor per MoE expert); None falls back to the packed mapping
     map_name = getattr(model, "map_checkpoint_name", lambda name: None)
@@ -91,8 +95,9 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> LoadStats:
     problems: list[str] = []
     stats = LoadStats()
     buffers = dict(model.named_buffers())
-    for name, tensor in iter_safetensors(model_dir, stats):
-        if name.endswith(ignored):
+    for checkpoint_name, tensor in iter_safetensors(model_dir, stats):
+        name = rename(checkpoint_name)
+        if name.endswith(ignored) or skips(name):
             continue
         scale_buffers = kv_scale_buffers(name)
         if scale_buffers and all(b in buffers for b in scale_buffers):
@@ -100,7 +105,7 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> LoadStats:
                 for buffer_name in scale_buffers:
                     buffers[buffer_name].copy_(checked_kv_scale(tensor))
             except ValueError as e:
-                problems.append(f"{name}: {e}")
+                problems.append(f"{checkpoint_name}: {e}")
             continue
         param_name, shard_id = map_name(name) or _map_name(name, packed)
         param = params.get(param_name)
@@ -111,7 +116,7 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> LoadStats:
         if param is None:
             if _is_tied_alias(model, param_name):
                 continue
-            unexpected.append(name)
+            unexpected.append(checkpoint_name)
             continue
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
@@ -121,7 +126,7 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> LoadStats:
                 else:
                     loader(param, tensor, shard_id)
         except ValueError as e:
-            problems.append(f"{name}: {e}")
+            problems.append(f"{checkpoint_name}: {e}")
             continue
         loaded.add((param_name, shard_id))
     missing = sorted(f"{p}[{s}]" if s is not None else p for p, s in expected - loaded)

@@ -9,11 +9,12 @@ from torch import nn
 
 from vtllm.worker.distributed import TPGroup
 from vtllm.worker.models.gemma3 import Gemma3Args, Gemma3ForCausalLM
+from vtllm.worker.models.gemma4 import Gemma4Args, Gemma4ForCausalLM
 from vtllm.worker.models.llama import LlamaArgs, LlamaForCausalLM
 from vtllm.worker.models.moe_llama import MoeLlamaArgs, MoeLlamaForCausalLM
 
 # architecture → (argument parser, model class)
-_MODELS: dict[str, tuple[type[LlamaArgs], type[nn.Module]]] = {
+_MODELS: dict[str, tuple[type[LlamaArgs] | type[Gemma4Args], type[nn.Module]]] = {
     "LlamaForCausalLM": (LlamaArgs, LlamaForCausalLM),
     "MistralForCausalLM": (LlamaArgs, LlamaForCausalLM),
     "Qwen2ForCausalLM": (LlamaArgs, LlamaForCausalLM),
@@ -21,6 +22,9 @@ _MODELS: dict[str, tuple[type[LlamaArgs], type[nn.Module]]] = {
     "Gemma3ForCausalLM": (Gemma3Args, Gemma3ForCausalLM),
     "Qwen3MoeForCausalLM": (MoeLlamaArgs, MoeLlamaForCausalLM),
     "MixtralForCausalLM": (MoeLlamaArgs, MoeLlamaForCausalLM),
+    "Gemma4ForCausalLM": (Gemma4Args, Gemma4ForCausalLM),
+    # its text decoder (vtllm.worker.loader.hf_config.text_part reads the config)
+    "Gemma4ForConditionalGeneration": (Gemma4Args, Gemma4ForCausalLM),
 }
 
 

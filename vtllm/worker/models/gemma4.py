@@ -1,0 +1,619 @@
+"""Gemma 4 text decoder, dense and mixture-of-experts: ``Gemma4ForCausalLM`` and the text
+part of ``Gemma4ForConditionalGeneration`` (vision and audio towers are skipped), as
+transformers 5.24's ``modeling_gemma4`` computes it.
+
+One layer, ``x`` the residual stream::
+
+    x = x + post_attention_norm(attn(input_norm(x)))
+    m = mlp(pre_feedforward_norm(x))
+    MoE layers:  m = post_feedforward_norm_1(m)
+                     + post_feedforward_norm_2(experts(pre_feedforward_norm_2(x), router(x)))
+    x = x + post_feedforward_norm(m)
+    per-layer inputs:  x = x + post_per_layer_input_norm(projection(gelu(gate(x)) * ple[layer]))
+    x = x * layer_scalar
+
+What is new since Gemma 3 (``gemma3.py``):
+
+* norms scale by ``w`` itself (not ``1 + w``), in fp32 before the cast; values are
+  RMS-normed with no weight; the attention scale is 1 (the q/k norms set the scale);
+* per layer type: sliding layers use ``head_dim``, ``num_key_value_heads`` and the default
+  rope; full layers use ``global_head_dim``, ``num_global_key_value_heads`` (under
+  ``attention_k_eq_v``) and proportional rope (only the first ``partial_rotary_factor`` of
+  the frequencies turn). The KV cache therefore has per-layer shapes (``kv_cache_specs``);
+* ``attention_k_eq_v``: full layers have no ``v_proj``; ``v = v_norm(k_proj(x))`` and
+  ``k = rope(k_norm(k_proj(x)))``;
+* MoE (``enable_moe_block``): the dense MLP and ``num_experts`` experts side by side. The
+  router RMS-norms ``x`` (no weight), multiplies by ``scale * hidden_size ** -0.5``,
+  projects, takes a fp32 softmax, the top ``top_k_experts``, renormalises them to sum 1
+  and multiplies each by ``per_expert_scale[expert]``. Checkpoints stack the experts:
+  ``experts.gate_up_proj [E, 2I, H]`` (gate rows first), ``experts.down_proj [E, H, I]``;
+* KV sharing: the last ``num_kv_shared_layers`` layers compute only q and attend the KV
+  cache of the last earlier layer of their type (they own no cache); with
+  ``use_double_wide_mlp`` their MLP is twice ``intermediate_size``;
+* per-layer inputs (``hidden_size_per_layer_input`` > 0)::
+
+      ple = (norm(per_layer_model_projection(x0) / sqrt(H)) + embed_per_layer(ids) * sqrt(P))
+            / sqrt(2)                                       # [tokens, layers, P]
+
+  with ``x0`` the scaled token embeddings;
+* a learned ``layer_scalar`` per layer; embeddings times ``sqrt(hidden_size)`` rounded to
+  the weights' dtype; final logit soft-capping; tied embeddings.
+
+Refused with a one-line message naming the field: bidirectional text attention
+(``use_bidirectional_attention: "all"``; ``"vision"`` only concerns image tokens, so text is
+causal), ``attention_bias``, ``attn_logit_softcapping``, rope types other than default and
+proportional, ``per_layer_config`` keys other than ``head_dim`` / ``num_key_value_heads``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vtllm.worker.attention import AttentionMetadata, paged_attention, write_kv_cache
+from vtllm.worker.distributed import TPGroup, divide
+from vtllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from vtllm.worker.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from vtllm.worker.layers.moe import FusedMoE, Router, RouterSpec, select_experts
+from vtllm.worker.layers.norm import Gemma4RMSNorm, ScalelessRMSNorm
+from vtllm.worker.layers.rotary import RotaryEmbedding, rope_parameters
+from vtllm.worker.models.llama import (
+    ACTIVATIONS,
+    KVCache,
+    LlamaForCausalLM,
+    act_and_mul,
+    checked_activation,
+)
+
+logger = logging.getLogger(__name__)
+
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+# checkpoint tensors of a Gemma4ForConditionalGeneration that are not the text decoder
+_NON_TEXT_PREFIXES = (
+    "model.vision_tower.",
+    "model.embed_vision.",
+    "model.audio_tower.",
+    "model.embed_audio.",
+)
+_STACKED_EXPERTS = re.compile(
+    r"^(?P<prefix>model\.layers\.\d+\.experts)\.(?P<proj>gate_up_proj|down_proj)$"
+)
+_SHARED_KV_TENSOR = re.compile(
+    r"^model\.layers\.(?P<layer>\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\."
+)
+
+
+def _value(cfg: dict[str, Any], key: str, default: Any) -> Any:
+    """``cfg[key]``, or ``default`` (transformers' ``Gemma4TextConfig`` default) when the
+    key is absent or null."""
+    value = cfg.get(key)
+    return default if value is None else value
+
+
+@dataclass(frozen=True)
+class Gemma4Args:
+    """The architecture facts of a Gemma 4 text decoder, per layer where they vary."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    layer_types: tuple[str, ...]  # per layer: sliding_attention | full_attention
+    head_dims: tuple[int, ...]  # per layer
+    num_kv_heads: tuple[int, ...]  # per layer
+    k_eq_v: tuple[bool, ...]  # per layer: values come from k_proj (no v_proj)
+    kv_source_layers: tuple[int, ...]  # per layer: whose KV it attends (itself, or shared)
+    intermediate_sizes: tuple[int, ...]  # per layer: the dense MLP's width
+    sliding_window: int
+    rms_norm_eps: float
+    ropes: dict[str, dict[str, Any]]  # layer type -> rope parameters
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    hidden_act: str
+    final_logit_softcapping: float | None
+    num_experts: int  # 0: no MoE block
+    top_k_experts: int
+    moe_intermediate_size: int
+    per_layer_input_size: int  # hidden_size_per_layer_input; 0: no per-layer inputs
+    per_layer_input_vocab_size: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> Gemma4Args:
+        """Raises ValueError for missing or inconsistent keys, NotImplementedError (one
+        line, naming the field) for Gemma 4 options this decoder does not implement."""
+        missing = [key for key in ("vocab_size", "hidden_size") if key not in cfg]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
+        _refuse_unsupported(cfg)
+        num_layers = _value(cfg, "num_hidden_layers", 30)
+        layer_types = _layer_types(cfg, num_layers)
+        head_dims, num_kv_heads = _attention_shapes(cfg, layer_types)
+        num_shared = _value(cfg, "num_kv_shared_layers", 0)
+        kv_sources = _kv_source_layers(layer_types, num_shared)
+        k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+        intermediate = _value(cfg, "intermediate_size", 9216)
+        double_wide = bool(cfg.get("use_double_wide_mlp", False))
+        hidden_act = checked_activation(_value(cfg, "hidden_activation", "gelu_pytorch_tanh"))
+        num_experts = _value(cfg, "num_experts", 0) if cfg.get("enable_moe_block") else 0
+        top_k = _value(cfg, "top_k_experts", 0)
+        moe_size = cfg.get("moe_intermediate_size") or cfg.get("expert_intermediate_size") or 0
+        if num_experts and not (0 < top_k <= num_experts and moe_size > 0):
+            raise ValueError(
+                f"enable_moe_block needs top_k_experts in [1, num_experts={num_experts}] "
+                f"(got {top_k}) and moe_intermediate_size > 0 (got {moe_size})"
+            )
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=num_layers,
+            num_heads=_value(cfg, "num_attention_heads", 8),
+            layer_types=layer_types,
+            head_dims=head_dims,
+            num_kv_heads=num_kv_heads,
+            k_eq_v=tuple(k_eq_v and t == _FULL for t in layer_types),
+            kv_source_layers=kv_sources,
+            intermediate_sizes=tuple(
+                intermediate * (2 if double_wide and kv_sources[i] != i else 1)
+                for i in range(num_layers)
+            ),
+            sliding_window=_value(cfg, "sliding_window", 512),
+            rms_norm_eps=_value(cfg, "rms_norm_eps", 1e-6),
+            ropes=_ropes(cfg, layer_types),
+            max_position_embeddings=_value(cfg, "max_position_embeddings", 131072),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            hidden_act=hidden_act,
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            num_experts=num_experts,
+            top_k_experts=top_k,
+            moe_intermediate_size=moe_size,
+            # absent: transformers' default 256; null or 0: none
+            per_layer_input_size=cfg.get("hidden_size_per_layer_input", 256) or 0,
+            per_layer_input_vocab_size=_value(cfg, "vocab_size_per_layer_input", 262144),
+        )
+
+
+def _refuse_unsupported(cfg: dict[str, Any]) -> None:
+    if cfg.get("use_bidirectional_attention") not in (None, "vision"):
+        raise NotImplementedError(
+            "Gemma 4 use_bidirectional_attention="
+            f"{cfg['use_bidirectional_attention']!r} is not supported (null and 'vision' are)"
+        )
+    if cfg.get("attention_bias"):
+        raise NotImplementedError("Gemma 4 with attention_bias=true is not supported")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise NotImplementedError("Gemma 4 with attn_logit_softcapping is not supported")
+
+
+def _layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """``layer_types`` (default: every 6th layer full), the last layer forced to full
+    attention as transformers does."""
+    layer_types = list(
+        cfg.get("layer_types") or [_SLIDING if (i + 1) % 6 else _FULL for i in range(num_layers)]
+    )
+    unknown = sorted(set(layer_types) - {_SLIDING, _FULL})
+    if unknown or len(layer_types) != num_layers:
+        raise NotImplementedError(
+            f"Gemma 4 layer_types {layer_types} (need {num_layers} of {_SLIDING} / {_FULL})"
+        )
+    if layer_types[-1] != _FULL:
+        logger.warning(
+            "Gemma 4: the last layer must use full_attention; forcing it (as transformers does)"
+        )
+        layer_types[-1] = _FULL
+    return tuple(layer_types)
+
+
+def _attention_shapes(
+    cfg: dict[str, Any], layer_types: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per layer ``(head_dims, num_kv_heads)``: released files give ``global_head_dim`` and
+    ``num_global_key_value_heads`` (the latter only under ``attention_k_eq_v``) for full
+    layers; files saved by transformers 5.24 give ``per_layer_config`` instead."""
+    head_dim = _value(cfg, "head_dim", 256)
+    num_kv_heads = _value(cfg, "num_key_value_heads", 4)
+    per_layer = cfg.get("per_layer_config")
+    if per_layer is None:
+        full = {"head_dim": _value(cfg, "global_head_dim", 512)}
+        global_kv_heads = cfg.get("num_global_key_value_heads")
+        if cfg.get("attention_k_eq_v") and global_kv_heads is not None:
+            full["num_key_value_heads"] = global_kv_heads
+        per_layer = {i: full for i, t in enumerate(layer_types) if t == _FULL}
+    overrides = {int(i): dict(v) for i, v in per_layer.items()}
+    for layer_idx, override in overrides.items():
+        unknown = sorted(set(override) - {"head_dim", "num_key_value_heads"})
+        if unknown:
+            raise NotImplementedError(f"Gemma 4 per_layer_config[{layer_idx}] keys {unknown}")
+    head_dims = tuple(
+        overrides.get(i, {}).get("head_dim", head_dim) for i in range(len(layer_types))
+    )
+    kv_heads = tuple(
+        overrides.get(i, {}).get("num_key_value_heads", num_kv_heads)
+        for i in range(len(layer_types))
+    )
+    for kind in set(layer_types):
+        dims = {d for d, t in zip(head_dims, layer_types, strict=True) if t == kind}
+        if len(dims) > 1:
+            raise NotImplementedError(f"Gemma 4 {kind} layers with head dims {sorted(dims)}")
+    return head_dims, kv_heads
+
+
+def _kv_source_layers(layer_types: tuple[str, ...], num_shared: int) -> tuple[int, ...]:
+    """Per layer, the layer whose KV cache it attends: itself, or for the last
+    ``num_shared`` layers the last earlier non-shared layer of the same type."""
+    num_layers = len(layer_types)
+    first_shared = num_layers - num_shared
+    if not 0 <= num_shared < num_layers:
+        raise NotImplementedError(
+            f"Gemma 4 num_kv_shared_layers={num_shared} with {num_layers} layers "
+            "(some layer must compute its own KV)"
+        )
+    last_of_type: dict[str, int] = {}
+    for i in range(first_shared):
+        last_of_type[layer_types[i]] = i
+    sources = list(range(first_shared))
+    for i in range(first_shared, num_layers):
+        if layer_types[i] not in last_of_type:
+            raise ValueError(
+                f"Gemma 4 layer {i} ({layer_types[i]}) shares KV but no earlier layer of "
+                f"that type computes it (num_kv_shared_layers={num_shared})"
+            )
+        sources.append(last_of_type[layer_types[i]])
+    return tuple(sources)
+
+
+def _ropes(cfg: dict[str, Any], layer_types: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    nested = cfg.get("rope_parameters") or {
+        _SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+        _FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+    }
+    ropes = {}
+    for kind in sorted(set(layer_types)):
+        if not nested.get(kind):
+            raise ValueError(f"Gemma 4 rope_parameters has no entry for {kind} layers")
+        params = rope_parameters({"rope_parameters": nested[kind]})
+        if params["rope_type"] not in ("default", "proportional"):
+            raise NotImplementedError(
+                f"Gemma 4 rope_parameters[{kind!r}].rope_type {params['rope_type']!r} is not "
+                "supported (default, proportional are)"
+            )
+        if params["rope_type"] == "default":  # transformers ignores the rest for Gemma 4
+            params = {"rope_type": "default", "rope_theta": params["rope_theta"]}
+        ropes[kind] = params
+    return ropes
+
+
+class ReplicatedLinear(nn.Module):
+    """``y = x W^T``, the whole weight on every rank (the small per-layer-input linears)."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)  # [num_tokens, output_size]
+
+
+def _scalar_param(size: int) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(size), requires_grad=False)
+    param.weight_loader = default_weight_loader
+    return param
+
+
+class Gemma4Attention(nn.Module):
+    """q (+ k, + v unless ``k_eq_v``, unless the layer shares KV) projection, per-head
+    norms, rope, paged attention at scale 1 (windowed on sliding layers), output."""
+
+    def __init__(self, args: Gemma4Args, tp: TPGroup, layer_idx: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim = args.head_dims[layer_idx]
+        self.num_heads = divide(args.num_heads, tp.size, "num_attention_heads")
+        self.num_kv_heads = divide(
+            args.num_kv_heads[layer_idx], tp.size, f"layer {layer_idx}'s num_key_value_heads"
+        )
+        self.owns_kv = args.kv_source_layers[layer_idx] == layer_idx
+        self.k_eq_v = args.k_eq_v[layer_idx]
+        is_sliding = args.layer_types[layer_idx] == _SLIDING
+        self.sliding_window = args.sliding_window if is_sliding else None
+        shards = {"q": args.num_heads * head_dim}
+        if self.owns_kv:
+            shards["k"] = args.num_kv_heads[layer_idx] * head_dim
+            if not self.k_eq_v:
+                shards["v"] = shards["k"]
+        self.qkv_proj = ColumnParallelLinear(
+            args.hidden_size, list(shards.values()), False, tp, list(shards)
+        )
+        self.o_proj = RowParallelLinear(shards["q"], args.hidden_size, False, tp)
+        eps = args.rms_norm_eps
+        self.q_norm = Gemma4RMSNorm(head_dim, eps)
+        if self.owns_kv:
+            self.k_norm = Gemma4RMSNorm(head_dim, eps)
+            self.v_norm = ScalelessRMSNorm(head_dim, eps)
+        # per-layer FP8 KV-cache scales (kv_cache_dtype.py), as LlamaAttention; a KV-sharing
+        # layer reads with its source layer's (Gemma4ForCausalLM ties them)
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens]
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,  # this layer's, or the shared source layer's (already written)
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens, head_dim = x.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size (+ kv_size (+ kv_size))]
+        q = self.q_norm(qkv[:, :q_size].view(num_tokens, self.num_heads, head_dim))
+        if self.owns_kv:
+            k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, head_dim)
+            v = k if self.k_eq_v else qkv[:, q_size + kv_size :].view(k.shape)
+            v = self.v_norm(v)  # [num_tokens, kv_heads, head_dim], from the raw projection
+            k = self.k_norm(k)
+            rotary(positions, q, k)  # in place
+            write_kv_cache(
+                k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping, self.k_scale, self.v_scale
+            )
+        else:  # rotate q alone: a one-head scratch k takes the kernel's k side
+            rotary(positions, q, q.new_empty(num_tokens, 1, head_dim))
+        o = paged_attention(
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            metadata,
+            1.0,
+            self.sliding_window,
+            self.k_scale,
+            self.v_scale,
+        )  # [num_tokens, heads, head_dim]
+        return self.o_proj(o.reshape(num_tokens, q_size))  # [num_tokens, hidden]
+
+
+class Gemma4MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, tp: TPGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], False, tp
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp)
+        self.hidden_act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * inter / tp]
+        return self.down_proj(act_and_mul(self.hidden_act, gate_up))
+
+
+class Gemma4Router(nn.Module):
+    """Top-k experts and their weights (fp32) from the residual stream (module docstring)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, eps: float) -> None:
+        super().__init__()
+        self.norm = ScalelessRMSNorm(hidden_size, eps)
+        self.proj = Router(hidden_size, num_experts)
+        self.scale = _scalar_param(hidden_size)
+        self.per_expert_scale = _scalar_param(num_experts)
+        self.spec = RouterSpec(top_k=top_k, scoring="softmax", renormalize=True)
+        self.root_size = hidden_size**-0.5
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.norm(x) * self.scale * self.root_size  # [num_tokens, hidden]
+        topk_weights, topk_ids = select_experts(self.proj(h), self.spec)  # [num_tokens, k]
+        return topk_weights * self.per_expert_scale[topk_ids], topk_ids
+
+
+class StackedExperts(FusedMoE):
+    """``FusedMoE`` filled from stacked checkpoint tensors: ``experts.gate_up_proj``
+    ``[E, 2I, H]`` (gate rows, then up rows) and ``experts.down_proj`` ``[E, H, I]``, each
+    loaded whole (shard id ``"stacked"``) and split per expert and rank."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, tp: TPGroup, act: str) -> None:
+        super().__init__(num_experts, hidden, inter, tp, act)
+        for param in (self.w13_weight, self.w2_weight):
+            param.shard_ids = ["stacked"]
+            param.weight_loader = self.load_stacked
+
+    def load_stacked(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        if loaded.dim() != 3 or loaded.shape[0] != self.num_experts:
+            raise ValueError(
+                f"stacked experts: checkpoint shape {tuple(loaded.shape)}, expected "
+                f"{self.num_experts} experts first"
+            )
+        full = self.local_size * self.tp.size
+        for expert in range(self.num_experts):
+            if param is self.w2_weight:
+                self.weight_loader(param, loaded[expert], (expert, "down"))
+            else:
+                self.weight_loader(param, loaded[expert, :full], (expert, "gate"))
+                self.weight_loader(param, loaded[expert, full:], (expert, "up"))
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(self, args: Gemma4Args, tp: TPGroup, layer_idx: int) -> None:
+        super().__init__()
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        self.is_sliding = args.layer_types[layer_idx] == _SLIDING
+        self.input_layernorm = Gemma4RMSNorm(hidden, eps)
+        self.self_attn = Gemma4Attention(args, tp, layer_idx)
+        self.post_attention_layernorm = Gemma4RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
+        self.mlp = Gemma4MLP(hidden, args.intermediate_sizes[layer_idx], args.hidden_act, tp)
+        self.post_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
+        self.has_experts = args.num_experts > 0
+        if self.has_experts:
+            self.router = Gemma4Router(hidden, args.num_experts, args.top_k_experts, eps)
+            self.experts = StackedExperts(
+                args.num_experts, hidden, args.moe_intermediate_size, tp, args.hidden_act
+            )
+            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hidden, eps)
+            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
+        self.has_per_layer_input = args.per_layer_input_size > 0
+        if self.has_per_layer_input:
+            self.hidden_act = args.hidden_act
+            size = args.per_layer_input_size
+            self.per_layer_input_gate = ReplicatedLinear(hidden, size)
+            self.per_layer_projection = ReplicatedLinear(size, hidden)
+            self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps)
+        self.layer_scalar = _scalar_param(1)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: the residual stream
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        per_layer_input: torch.Tensor | None,  # [num_tokens, per_layer_input_size]
+    ) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, metadata)
+        h = self.post_attention_layernorm(h)
+        h, x = self.pre_feedforward_layernorm(h, x)  # x += attention output; h = norm(x)
+        h = self.mlp(h)
+        if self.has_experts:
+            topk_weights, topk_ids = self.router(x)
+            experts_out = self.experts(self.pre_feedforward_layernorm_2(x), topk_weights, topk_ids)
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(
+                experts_out
+            )
+        x = x + self.post_feedforward_layernorm(h)
+        if self.has_per_layer_input:
+            gate = self.per_layer_input_gate(x)  # [num_tokens, per_layer_input_size]
+            gated = ACTIVATIONS[self.hidden_act][1](gate) * per_layer_input
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return x * self.layer_scalar
+
+
+class Gemma4Model(nn.Module):
+    def __init__(self, args: Gemma4Args, tp: TPGroup) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(args, tp, i) for i in range(args.num_layers))
+        self.norm = Gemma4RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if args.per_layer_input_size:
+            packed = args.num_layers * args.per_layer_input_size
+            self.embed_tokens_per_layer = VocabParallelEmbedding(
+                args.per_layer_input_vocab_size, packed, tp
+            )
+            self.per_layer_model_projection = ReplicatedLinear(args.hidden_size, packed)
+            self.per_layer_projection_norm = Gemma4RMSNorm(
+                args.per_layer_input_size, args.rms_norm_eps
+            )
+
+
+class Gemma4ForCausalLM(nn.Module):
+    """``forward`` → final hidden states; ``compute_logits`` → full-vocab logits (soft-capped).
+
+    The KV cache has one (K, V) pair per layer that computes KV (``kv_cache_specs``, in
+    layer order); a KV-sharing layer attends its source layer's pair.
+    """
+
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+    ignored_checkpoint_suffixes = LlamaForCausalLM.ignored_checkpoint_suffixes
+
+    def __init__(self, args: Gemma4Args, tp: TPGroup) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Gemma4Model(args, tp)
+        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        max_position = args.max_position_embeddings
+        head_dim = {t: d for t, d in zip(args.layer_types, args.head_dims, strict=True)}
+        self.rotaries = nn.ModuleDict(
+            {t: RotaryEmbedding(head_dim[t], max_position, args.ropes[t]) for t in args.ropes}
+        )
+        owners = [i for i in range(args.num_layers) if args.kv_source_layers[i] == i]
+        self.cache_index = [owners.index(source) for source in args.kv_source_layers]
+        for layer, source in zip(self.model.layers, args.kv_source_layers, strict=True):
+            if not layer.self_attn.owns_kv:  # read the cache with the scales it was written with
+                layer.self_attn.k_scale = self.model.layers[source].self_attn.k_scale
+                layer.self_attn.v_scale = self.model.layers[source].self_attn.v_scale
+
+    def kv_cache_specs(self) -> list[tuple[int, int]]:
+        """``(num_kv_heads on this rank, head_dim)`` of each KV cache to allocate, one per
+        layer that computes KV, in layer order (``forward`` takes them in that order)."""
+        return [
+            (layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
+            for layer in self.model.layers
+            if layer.self_attn.owns_kv
+        ]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[KVCache],  # as kv_cache_specs()
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        x = x * torch.tensor(self.args.hidden_size**0.5, dtype=x.dtype)
+        per_layer_inputs = self._per_layer_inputs(input_ids, x)  # [num_tokens, layers, P]
+        for i, layer in enumerate(self.model.layers):
+            rotary = self.rotaries[_SLIDING if layer.is_sliding else _FULL]
+            per_layer_input = None if per_layer_inputs is None else per_layer_inputs[:, i]
+            kv_cache = kv_caches[self.cache_index[i]]
+            x = layer(x, positions, rotary, kv_cache, metadata, per_layer_input)
+        return self.model.norm(x)  # [num_tokens, hidden]
+
+    def _per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        size = self.args.per_layer_input_size
+        if not size:
+            return None
+        shape = (x.shape[0], self.args.num_layers, size)
+        by_token = self.model.embed_tokens_per_layer(input_ids)  # [num_tokens, layers * P]
+        by_token = by_token * torch.tensor(size**0.5, dtype=x.dtype)
+        projected = self.model.per_layer_model_projection(x) * self.args.hidden_size**-0.5
+        projected = self.model.per_layer_projection_norm(projected.view(shape))
+        return (projected + by_token.view(shape)) * 2.0**-0.5  # [num_tokens, layers, P]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.compute_logits(hidden).float()  # [num_rows, vocab]
+        cap = self.args.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    # -- checkpoint names ---------------------------------------------------------------
+
+    def checkpoint_text_name(self, name: str) -> str:
+        """The loader's first hook: a ``Gemma4ForConditionalGeneration`` tensor name as the
+        text model's (``model.language_model.X`` → ``model.X``); others unchanged."""
+        prefix = "model.language_model."
+        return "model." + name[len(prefix) :] if name.startswith(prefix) else name
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """True for tensors that carry no weights of this decoder: a multimodal wrapper's
+        vision / audio towers, and k/v projections and norms that transformers writes for
+        KV-sharing layers (which never use them)."""
+        if name.startswith(_NON_TEXT_PREFIXES):
+            return True
+        match = _SHARED_KV_TENSOR.match(name)
+        return match is not None and not self.model.layers[int(match["layer"])].self_attn.owns_kv
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, str | int | None]:
+        """The loader's hook: checkpoint name (after ``checkpoint_text_name``) →
+        ``(parameter name, shard id)``."""
+        match = _STACKED_EXPERTS.match(name)
+        if match is not None:
+            param = "w13_weight" if match["proj"] == "gate_up_proj" else "w2_weight"
+            return f"{match['prefix']}.{param}", "stacked"
+        for checkpoint_part, (param_part, shard_id) in self.packed_modules_mapping.items():
+            marker = f".{checkpoint_part}."
+            if marker in name:
+                param_name = name.replace(marker, f".{param_part}.")
+                try:
+                    module = self.get_submodule(param_name.rsplit(".", 1)[0])
+                except AttributeError:  # the loader reports it as unexpected
+                    return param_name, shard_id
+                # a q-only projection (KV-sharing layer) is a single, unnamed shard
+                return param_name, shard_id if len(module.shard_ids) > 1 else None
+        return name, None
