@@ -32,10 +32,17 @@ class HostPeak:
         return max(0, self.peak_bytes - self.before_bytes)
 
     def describe(self) -> str:
-        scope = "this window" if self.source == "VmHWM" else "process lifetime"
+        """``host RSS peak 1.23 GiB while loading (+456 MiB over 0.79 GiB before; VmHWM
+        reset at the start)``, or ``...; ru_maxrss, the process lifetime's peak)``."""
+        how = (
+            "VmHWM reset at the start"
+            if self.source == "VmHWM"
+            else "ru_maxrss, the process lifetime's peak"
+        )
         return (
-            f"host RSS peak {self.peak_bytes / 2**30:.2f} GiB ({self.source}, {scope}; "
-            f"{self.before_bytes / 2**30:.2f} GiB before, +{self.extra_bytes / 2**20:.0f} MiB)"
+            f"host RSS peak {self.peak_bytes / 2**30:.2f} GiB while loading "
+            f"(+{self.extra_bytes / 2**20:.0f} MiB over {self.before_bytes / 2**30:.2f} GiB "
+            f"before; {how})"
         )
 
 
