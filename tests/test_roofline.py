@@ -30,32 +30,7 @@ MIXTRAL_8X7B = dict(
 )
 # google/gemma-4-26B-A4B's text decoder: a dense MLP beside 128 experts, every 6th layer
 # full attention (head_dim 512, 2 KV heads, k = v projection), the rest sliding (1024)
-GEMMA4_26B = dict(
-    model_type="gemma4_text",
-    hidden_size=2816,
-    intermediate_size=2112,
-    num_hidden_layers=30,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    num_global_key_value_heads=2,
-    head_dim=256,
-    global_head_dim=512,
-    attention_k_eq_v=True,
-    enable_moe_block=True,
-    num_experts=128,
-    top_k_experts=8,
-    moe_intermediate_size=704,
-    hidden_activation="gelu_pytorch_tanh",
-    hidden_size_per_layer_input=0,
-    num_kv_shared_layers=0,
-    use_double_wide_mlp=False,
-    layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(30)],
-    sliding_window=1024,
-    max_position_embeddings=262144,
-    vocab_size=262144,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-)
+GEMMA4_26B = MODEL_SHAPES["gemma4-26b-moe"]
 
 
 def _transformers_num_params(hf: dict) -> int:
