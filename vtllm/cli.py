@@ -12,7 +12,7 @@ from typing import Any
 
 from vtllm import __version__, envs
 from vtllm.config import VtllmConfig, config_sections, parse_size
-from vtllm.startup import StartupError, bind_http_socket
+from vtllm.startup import StartupError, bind_http_sockets
 from vtllm.vllm_compat import VLLM_ALIASES, closest_flag, unsupported_message
 
 # exit code of every start-up mistake (bad flag, bad path, unknown model): argparse's
@@ -313,10 +313,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             config = _validated_config(command, args)
             # bound before the heavy imports: a taken port is reported within a second
-            sock = bind_http_socket(config.frontend.host, config.frontend.port)
+            sock, *more_sockets = bind_http_sockets(
+                config.frontend.host, config.frontend.port, config.frontend.api_server_count
+            )
             from vtllm.launch import serve
 
-            return serve(config, sock)
+            return serve(config, sock, more_sockets)
         if args.command == "engine-core":
             from vtllm.launch import engine_core
 

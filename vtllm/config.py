@@ -333,6 +333,14 @@ class FrontendConfig:
     root_path: str | None = _opt(
         None, "URL prefix under which a reverse proxy serves this app (ASGI root_path)."
     )
+    api_server_count: int = _opt(
+        1,
+        "HTTP frontend processes sharing --port (SO_REUSEPORT: the kernel spreads "
+        "connections over them), each its own client of the one engine core; /metrics "
+        "answers the sum over all of them. Raise it when one frontend process is busy "
+        "(many concurrent streams of a fast model): each one serves HTTP, JSON and "
+        "detokenizing on one core.",
+    )
     metrics_prefix: str = _opt(
         "vtllm",
         "Prefix of every Prometheus series: vtllm (vtllm:*) or vllm (vllm:*, so "
@@ -406,6 +414,10 @@ class VtllmConfig:
             )
         if self.cache.kv_cache_memory <= 0:
             problems.append(f"--kv-cache-memory must be positive, got {self.cache.kv_cache_memory}")
+        if self.frontend.api_server_count < 1:
+            problems.append(
+                f"--api-server-count must be >= 1, got {self.frontend.api_server_count}"
+            )
         if self.scheduler.max_num_seqs < 1:
             problems.append(f"--max-num-seqs must be >= 1, got {self.scheduler.max_num_seqs}")
         if self.scheduler.max_num_batched_tokens < 1:

@@ -4,9 +4,10 @@ then run the HTTP frontend in this process until SIGTERM/SIGINT or engine death.
 Process tree (titles as ``ps`` shows them)::
 
     VTLLM::Frontend          this process: uvicorn + Starlette
-    └─ VTLLM::EngineCore     scheduler loop, KV bookkeeping
-       ├─ VTLLM::Worker_TP0  model + KV cache on device 0
-       └─ VTLLM::Worker_TP1  ...
+    ├─ VTLLM::EngineCore     scheduler loop, KV bookkeeping
+    │  ├─ VTLLM::Worker_TP0  model + KV cache on device 0
+    │  └─ VTLLM::Worker_TP1  ...
+    └─ VTLLM::APIServer_1    with --api-server-count 2 and more (api_servers.py)
 
 Every child dies with its parent (PR_SET_PDEATHSIG), and the ipc sockets live in a private
 runtime directory removed on exit, so nothing is orphaned or left stale.
@@ -25,16 +26,22 @@ import multiprocessing
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from vtllm import envs
+from vtllm.api_servers import ApiServers, metrics_paths, peers_of
 from vtllm.config import VtllmConfig
 from vtllm.engine_core.core_proc import run_engine_core
 from vtllm.log import configure_logging
 from vtllm.process import set_process_title
 from vtllm.protocol import transport
-from vtllm.startup import StartupError, bind_http_socket, check_model_config, read_model_config
+from vtllm.startup import (
+    StartupError,
+    bind_http_sockets,
+    check_model_config,
+    read_model_config,
+)
 
 logger = logging.getLogger("vtllm.launch")
 
@@ -152,11 +159,17 @@ def _stop_signals_ignored() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def serve(config: VtllmConfig, sock: socket.socket | None = None) -> int:
+def serve(
+    config: VtllmConfig,
+    sock: socket.socket | None = None,
+    more_sockets: Sequence[socket.socket] = (),
+) -> int:
     """Run until stopped. Exit code 0 on a clean or signal-initiated stop, non-zero if the
-    engine died or refused to start (so systemd's Restart=on-failure restarts it).
+    engine died or refused to start, or a frontend process exited on its own (so
+    systemd's Restart=on-failure restarts it).
 
-    With ``--engine-address``: only the frontend, against a running ``vtllm engine-core``.
+    With ``--engine-address``: only the frontend(s), against a running ``vtllm engine-core``.
+    ``more_sockets``: the sockets of frontends 1..N-1 (``--api-server-count``, api_servers.py).
     """
     set_process_title("VTLLM::Frontend")
     configure_logging("VTLLM::Frontend")
@@ -165,36 +178,50 @@ def serve(config: VtllmConfig, sock: socket.socket | None = None) -> int:
     # the port first (``sock``: bound by the CLI already): a conflict is reported at
     # once, not after loading the model
     if sock is None:
-        sock = bind_http_socket(config.frontend.host, config.frontend.port)
+        sock, *more_sockets = bind_http_sockets(
+            config.frontend.host, config.frontend.port, config.frontend.api_server_count
+        )
     try:
         model_dir = resolve_model(config)
         tokenizer_dir = resolve_tokenizer(config, model_dir)
     except BaseException:
-        sock.close()
+        for one in (sock, *more_sockets):
+            one.close()
         raise
-    if config.engine.engine_address:
-        return run_frontend(
-            config, model_dir, config.engine.engine_address, sock=sock, tokenizer_dir=tokenizer_dir
-        )
     runtime_dir = transport.make_runtime_dir()
     engine = None
+    api_servers = ApiServers()
+    metrics_peers = None
     try:
-        engine, client_address = start_engine_core(config, model_dir, runtime_dir)
+        client_address = config.engine.engine_address
+        if client_address is None:
+            engine, client_address = start_engine_core(config, model_dir, runtime_dir)
+        if more_sockets:
+            paths = metrics_paths(runtime_dir, len(more_sockets) + 1)
+            metrics_peers = peers_of(0, paths)
+            engine_pid = engine.pid if engine is not None else None
+            api_servers.start(
+                config, model_dir, tokenizer_dir, client_address, engine_pid, more_sockets, paths
+            )
         code = run_frontend(
             config,
             model_dir,
             client_address,
-            engine_alive=engine.is_alive,
+            engine_alive=engine.is_alive if engine is not None else None,
             sock=sock,
             tokenizer_dir=tokenizer_dir,
+            metrics_peers=metrics_peers,
         )
-        exitcode = engine.exitcode
+        exitcode = engine.exitcode if engine is not None else None
         if code != 0 and exitcode is not None and exitcode != 0:
             logger.error("engine core exited with code %s", exitcode)
             code = exitcode if exitcode > 0 else EXIT_ENGINE_DIED
+        if api_servers.failed is not None:
+            code = code or 1
         return code
     finally:
         with _stop_signals_ignored():
+            api_servers.stop(config.engine.shutdown_timeout + STOP_MARGIN_S)
             if engine is not None:
                 stop_process(engine, config.engine.shutdown_timeout + STOP_MARGIN_S)
             transport.remove_runtime_dir(runtime_dir)

@@ -38,7 +38,29 @@ class StartupError(Exception):
     """A user mistake found at start-up; the CLI prints the one-line message, exits 2."""
 
 
-def bind_http_socket(host: str, port: int) -> socket.socket:
+def bind_http_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` sockets bound to ``host:port`` (``--api-server-count``), one per frontend
+    process: with more than one, each has SO_REUSEPORT and the kernel spreads incoming
+    connections over them. The port is first bound alone (so one in use, even by a
+    server that shares ports, is a StartupError as for one socket); a port 0 becomes the
+    one the system chose, the same for all."""
+    first = bind_http_socket(host, port)
+    if count == 1:
+        return [first]
+    chosen = first.getsockname()[1]
+    first.close()
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sockets.append(bind_http_socket(host, chosen, reuse_port=True))
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def bind_http_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A socket bound to ``host:port`` (not yet listening: connections are refused until
     the server is ready, never left hanging). StartupError when the port is taken or the
     address is not this host's."""
@@ -49,6 +71,8 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
     try:

@@ -50,6 +50,7 @@ from vtllm.frontend.generation import GenerationError, error_for
 from vtllm.frontend.health import EngineHealth
 from vtllm.frontend.http_deadlines import DeadlineH11Protocol
 from vtllm.frontend.metrics import FrontendMetrics, StatsLogger
+from vtllm.frontend.metrics_peers import MetricsPeers, scrape_all, serve_own_metrics
 from vtllm.frontend.openai_types import OpenAIError, clip
 from vtllm.frontend.openapi import openapi_document
 from vtllm.frontend.request_defaults import (
@@ -187,9 +188,11 @@ def build_app(
     model_dir: str,
     engine_client: EngineClient,
     tokenizer_dir: str | None = None,
+    metrics_peers: MetricsPeers | None = None,
 ) -> Starlette:
     """The OpenAI-compatible app. ``engine_client`` must already be connected; the app's
-    metrics (``app.state.metrics``) observe it from now on."""
+    metrics (``app.state.metrics``) observe it from now on. ``metrics_peers``: the other
+    frontend processes of this server, whose metrics ``/metrics`` adds to its own."""
     sampling_defaults, max_new_tokens = load_generation_defaults(
         model_dir, config.model.generation_config
     )
@@ -288,6 +291,9 @@ def build_app(
         return json_response({"version": vtllm.__version__})
 
     async def prometheus(request: Request) -> Response:
+        if metrics_peers is not None and metrics_peers.peer_paths:
+            body = await scrape_all(metrics.registry, metrics_peers, metrics.engine_wide_names)
+            return Response(body, media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def openapi_json(request: Request) -> Response:
@@ -393,20 +399,25 @@ def run_frontend(
     engine_alive: Callable[[], bool] | None = None,
     sock: socket.socket | None = None,
     tokenizer_dir: str | None = None,
+    metrics_peers: MetricsPeers | None = None,
 ) -> int:
     """Connect to the engine core and serve HTTP until SIGINT/SIGTERM or engine death.
+    ``metrics_peers``: one of several frontend processes (``--api-server-count``).
 
     A signal drains (drain.py): new requests get 503, running ones may finish within
     ``--shutdown-timeout``, the rest end with an error; then the engine client says
     Goodbye. Returns 0 after a signal-initiated stop (whatever the engine did meanwhile),
     1 if the engine died first or never got ready."""
-    try:
-        import setproctitle
+    if metrics_peers is None:  # else: one of several, named by its process (api_servers.py)
+        try:
+            import setproctitle
 
-        setproctitle.setproctitle("VTLLM::Frontend")
-    except ImportError:  # pragma: no cover - optional at runtime
-        pass
-    return asyncio.run(_serve(config, model_dir, engine_address, engine_alive, sock, tokenizer_dir))
+            setproctitle.setproctitle("VTLLM::Frontend")
+        except ImportError:  # pragma: no cover - optional at runtime
+            pass
+    return asyncio.run(
+        _serve(config, model_dir, engine_address, engine_alive, sock, tokenizer_dir, metrics_peers)
+    )
 
 
 @contextlib.contextmanager
@@ -433,12 +444,14 @@ async def _serve(
     engine_alive: Callable[[], bool] | None,
     sock: socket.socket | None = None,
     tokenizer_dir: str | None = None,
+    metrics_peers: MetricsPeers | None = None,
 ) -> int:
     """``sock``: the listening socket bound at start-up (launch.py), else host:port."""
     engine = EngineClient()
     server: DrainingServer | None = None
     drain: Drain | None = None
     died_while_serving = False
+    metrics_server: asyncio.AbstractServer | None = None
 
     def on_dead(reason: str) -> None:
         nonlocal died_while_serving
@@ -465,8 +478,12 @@ async def _serve(
         logger.error("%s", e)
         return 1
     try:
-        app = build_app(config, model_dir, engine, tokenizer_dir)
+        app = build_app(config, model_dir, engine, tokenizer_dir, metrics_peers)
         drain = app.state.serving.drain
+        if metrics_peers is not None:
+            metrics_server = await serve_own_metrics(
+                app.state.metrics.registry, metrics_peers.own_path
+            )
         install_probe_filter()
         uv_config = uvicorn_config(
             app,
@@ -495,6 +512,8 @@ async def _serve(
             stats_log.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await stats_log
+            if metrics_server is not None:
+                metrics_server.close()
         if not server.started and engine.dead_reason is None:
             return 1  # could not bind the port (uvicorn logged why)
     finally:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from typing import Any, Protocol
 
 import msgspec
@@ -167,10 +168,17 @@ async def _send_json(send: Any, status_code: int, content: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+# What the first frontend process sends the others (--api-server-count) when it stops:
+# a drain unless one runs already (systemd and Ctrl-C signal every process at once, and
+# a second SIGTERM would cut the drain short).
+PEER_STOP_SIGNAL = signal.SIGUSR1
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn, except that SIGTERM / SIGINT start a drain (``Drain.run``) instead of
-    stopping at once, and uvicorn exits only after it. A second signal expires the drain.
-    ``stop_signal`` is the first signal received (None if none)."""
+    stopping at once, and uvicorn exits only after it. A second signal expires the drain
+    (``PEER_STOP_SIGNAL`` starts one, and never expires it). ``stop_signal`` is the first
+    signal received (None if none)."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain, timeout_s: float) -> None:
         super().__init__(config)
@@ -182,7 +190,14 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(PEER_STOP_SIGNAL, self.handle_exit)
+        try:
+            await super().serve(sockets)
+        finally:
+            if previous is not None:
+                signal.signal(PEER_STOP_SIGNAL, previous)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         # A signal handler: it may interrupt the loop anywhere, so only hand over.
@@ -199,7 +214,7 @@ class DrainingServer(uvicorn.Server):
             logger.info("%s: stopping (--shutdown-timeout %.0fs)", name, self.timeout_s)
             self.drain.begin()
             self._drain_task = asyncio.create_task(self._drain_then_exit())
-        elif not self.drain.expired:
+        elif not self.drain.expired and sig != PEER_STOP_SIGNAL:
             logger.warning("%s again: ending the running requests now", name)
             self.drain.expire()
 

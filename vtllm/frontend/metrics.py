@@ -81,6 +81,22 @@ class FrontendMetrics:
     ``vllm``). Feed it through ``EngineClient.add_observer`` and ``on_http_request``;
     serve ``registry`` at ``/metrics``."""
 
+    # Series every frontend process holds alike: the engine's gauges, and the counters
+    # folded from its SchedulerStats (sent to every client). Several frontend processes
+    # (--api-server-count) report them once, never summed (metrics_peers.py).
+    ENGINE_WIDE = (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "gpu_cache_usage_perc",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "gpu_prefix_cache_queries",
+        "gpu_prefix_cache_hits",
+        "num_preemptions",
+        "cache_config_info",
+    )
+
     def __init__(
         self,
         model_name: str,
@@ -89,6 +105,7 @@ class FrontendMetrics:
         cache_info: dict[str, str] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.engine_wide_names = frozenset(f"{prefix}:{name}" for name in self.ENGINE_WIDE)
         self._requests: dict[str, _RequestTimes] = {}
         # plain running totals for the console stats line
         self.num_prompt_tokens = 0
