@@ -71,3 +71,48 @@ def test_shape_mismatch_is_named(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(WeightLoadError, match="model.layers.0.mlp.down_proj.weight: checkpoint"):
         load_safetensors(_build(tmp_path), tmp_path)
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def test_mapped_views_equal_safetensors_own_reader_for_every_dtype(tmp_path):
+    """The loader's own header parsing and zero-copy views against ``safe_open``: every
+    dtype a checkpoint carries (FP8 weights and scales included), 0-d and empty tensors."""
+    from safetensors import safe_open
+
+    from vtllm.worker.loader.safetensors_file import MappedSafetensors
+
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(3, 5, generator=generator)
+    tensors = {
+        "f32": values,
+        "bf16": values.bfloat16(),
+        "f16": values.half(),
+        "i64": torch.arange(7),
+        "i8": torch.arange(-3, 3, dtype=torch.int8),
+        "bool": values > 0,
+        "e4m3": values.to(torch.float8_e4m3fn),
+        "e5m2": values.to(torch.float8_e5m2),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, path, metadata={"format": "pt"})
+    with MappedSafetensors(path) as mapped, safe_open(str(path), "pt") as reference:
+        assert sorted(mapped.names()) == sorted(tensors)
+        for name in tensors:
+            view, expected = mapped.tensor(name), reference.get_tensor(name)
+            assert view.dtype == expected.dtype and view.shape == expected.shape, name
+            assert torch.equal(_bytes(view), _bytes(expected)), name
+            mapped.release(name)  # its pages go; the view refaults them from the file
+            assert torch.equal(_bytes(view), _bytes(expected)), name
+
+
+def test_a_truncated_shard_is_named(tmp_path):
+    make_hf_model("llama", tmp_path)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(WeightLoadError, match=r"model\.safetensors: tensor .* byte range"):
+        load_safetensors(_build(tmp_path), tmp_path)
