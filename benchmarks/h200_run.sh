@@ -5,6 +5,8 @@
 # Phases, run in the order given:
 #   graph-tests   the decode-graph GPU tests (fast)
 #   gpu-tests     every `pytest -m gpu` test
+#   load-tests    weights to the GPU with the host RSS peak: a 1.6 GiB safetensors checkpoint
+#                 and a 16 GiB random model (tests/worker/test_weight_streaming.py)
 #   bench-SHAPE   `vtllm bench all` (decode graphs) and `vtllm bench latency --enforce-eager`
 #                 for SHAPE qwen3-0.6b or llama3-8b
 #   hf-SHAPE      the transformers `generate` baseline on the same shape and prompts (MoE
@@ -39,6 +41,9 @@ for phase in "$@"; do
     graph-tests)
       timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -k graphs \
         tests/worker/test_gpu_worker.py >> "$OUT/gpu_tests.txt" 2>&1 ;;
+    load-tests)
+      timeout 150 python3 -m pytest -m gpu -q -rP -p no:cacheprovider \
+        tests/worker/test_weight_streaming.py >> "$OUT/gpu_tests.txt" 2>&1 ;;
     gpu-tests)
       timeout 420 python3 -m pytest -m gpu -q -rP -p no:cacheprovider --durations=15 tests/worker tests/test_boundaries.py \
         >> "$OUT/gpu_tests.txt" 2>&1 ;;
@@ -47,10 +52,11 @@ for phase in "$@"; do
       if ! has_shape "$shape"; then echo "skip $phase: no $shape in MODEL_SHAPES"; continue; fi
       timeout 140 python3 -m vtllm.cli bench all --model-shape "$shape" $MOE_BENCH \
         >> "$OUT/bench.jsonl" 2>> "$OUT/bench_$shape.log"
-      grep -E "weights: |memory: |captured" "$OUT/bench_$shape.log" | tail -3
+      grep -E "loaded |weights: |memory: |captured" "$OUT/bench_$shape.log" | tail -5
       if python3 -m vtllm.cli bench all --help 2>/dev/null | grep -q -- "--quantization"; then
         timeout 140 python3 -m vtllm.cli bench all --model-shape "$shape" $MOE_BENCH \
           --quantization fp8 >> "$OUT/bench.jsonl" 2>> "$OUT/bench_${shape}_fp8.log"
+        grep -E "loaded |weights: |memory: " "$OUT/bench_${shape}_fp8.log" | tail -4
       else
         echo "skip $shape fp8: this tree's vtllm has no --quantization flag"
       fi ;;
