@@ -29,6 +29,10 @@ UNSUPPORTED: dict[str, str] = {
     "--max-seq-len-to-capture": "decode graphs cover max_model_len (see --enforce-eager)",
     "--distributed-executor-backend": "workers are always local processes",
     "--limit-mm-per-prompt": "text-only models",
+    "--calculate-kv-scales": (
+        "FP8 KV-cache scales come from the checkpoint or are 1.0, never from traffic "
+        "(see --kv-cache-dtype)"
+    ),
 }
 
 
