@@ -1,7 +1,7 @@
 """``vtllm bench latency`` and ``vtllm bench throughput``: the real engine core and workers,
 driven over the protocol client with random token ids (no HTTP, no tokenizer).
 
-Models: ``--model DIR`` or ``--model-shape NAME`` (a config.json of a known model's shape,
+Models: ``--model DIR`` or ``--model-shape NAME|CONFIG.json`` (a known model's shape or any config,
 served with random weights: ``--load-format dummy`` is implied).
 
 Every figure is also stated against the memory-bandwidth roofline: the bytes a decode step
