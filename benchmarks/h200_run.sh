@@ -19,6 +19,14 @@
 #                 message where this tree has no such flag; a shape missing from MODEL_SHAPES
 #                 is skipped too)
 #   moe-kernel    benchmarks/fused_moe_kernel.py: the fused-MoE kernel vs its torch reference
+# HTTP vs offline on one shape (random weights, a synthetic tokenizer over the whole
+# vocabulary: benchmarks/http_model_dir.py), issue 13's workloads:
+#   http-smollm2-135m  1,024 requests, 110 in / 256 out (~3 min: 4 engine start-ups)
+#   http-llama3-8b     512 requests, 210 in / 512 out (~5 min: run it in a call of its own)
+#                 `vtllm bench throughput` (offline), then `vtllm bench serve` at 256 streams
+#                 against `vtllm serve --api-server-count N` for N in $HTTP_API_SERVERS
+#                 (default "1 2 4"); with .devtools/py-spy (carried), the N=1 frontend is
+#                 sampled for 15 s (raw stacks in $OUT/http_prof_SHAPE.txt)
 # One device call of at most 8 minutes (timeouts 2 x 140 + 130 + 50 s, plus the install):
 #   bench-qwen3-30b-a3b hf-qwen3-30b-a3b moe-kernel   (then the same for gemma4-26b-moe)
 set -u
@@ -80,6 +88,10 @@ for phase in "$@"; do
       for args in "--batch 1" "--batch 1 --eager" "--batch 64"; do
         timeout 60 python3 benchmarks/profile_decode.py $args >> "$OUT/profile.txt" 2>&1
       done ;;
+    http-*)
+      shape=${phase#http-}
+      if ! has_shape "$shape"; then echo "skip $phase: no $shape in MODEL_SHAPES"; continue; fi
+      bash benchmarks/http_vs_offline.sh "$shape" ;;
     *) echo "unknown phase $phase" ;;
   esac
   tail -3 "$OUT/gpu_tests.txt" 2>/dev/null

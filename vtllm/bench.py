@@ -35,6 +35,22 @@ from vtllm.protocol import messages as m
 from vtllm.roofline import ModelBytes, model_bytes
 
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "eos_token_id": 2,
+    },
     "qwen3-0.6b": {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
