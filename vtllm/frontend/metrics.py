@@ -268,12 +268,15 @@ class FrontendMetrics:
         if message.scheduler_stats is not None:
             self._fold_stats(message.scheduler_stats)
         step_tokens = 0
+        num_generated = self.num_generation_tokens
         for output in message.outputs:
             times = self._requests.get(output.request_id)
             if times is not None:  # None: finished or released already
                 step_tokens += self._fold_output(times, output, now)
         if step_tokens:
             self.iteration_tokens.observe(step_tokens)
+        if self.num_generation_tokens > num_generated:  # one locked inc per batch, not per request
+            self.generation_tokens.inc(self.num_generation_tokens - num_generated)
 
     def on_request_done(self, request_id: str, finish_reason: str, now: float) -> None:
         times = self._requests.pop(request_id, None)
@@ -340,8 +343,7 @@ class FrontendMetrics:
             self.time_per_output_token.observe(now - times.last_token)
         times.last_token = now
         times.num_generation_tokens += num_new
-        self.generation_tokens.inc(num_new)
-        self.num_generation_tokens += num_new
+        self.num_generation_tokens += num_new  # generation_tokens: once per batch (on_outputs)
         return step_tokens + num_new
 
 
