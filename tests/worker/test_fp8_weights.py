@@ -117,12 +117,15 @@ def _write_quantized(src: Path, layout: dict, out: Path) -> tuple[Path, Path]:
     return fp8_dir, deq_dir
 
 
-def _logprobs(model_dir: Path, quantization: str | None = None):
+def _logprobs(
+    model_dir: Path,
+    quantization: str | None = None,
+    device: torch.device = torch.device("cpu"),
+    dtype: torch.dtype = torch.float32,
+):
     """(``[len(FORCED) + 1, vocab]`` logprobs of a prefill and teacher-forced decodes,
     the runner)."""
-    runner = ModelRunner.from_model_dir(
-        model_dir, torch.device("cpu"), torch.float32, 0, quantization=quantization
-    )
+    runner = ModelRunner.from_model_dir(model_dir, device, dtype, 0, quantization=quantization)
     runner.init_kv_cache(num_blocks=32, block_size=4)
     rows, next_tokens = [], [*FORCED, 0]
 
