@@ -106,6 +106,95 @@ def run(model_dir: str, quantization: str | None, steps: int, vocab: int, top_k:
     return result
 
 
+def _graph_us(platform, fn, calls: int = 20, replays: int = 20) -> float:
+    """Microseconds per ``fn(i)`` call, from a device graph of calls ``i = 0 .. calls-1``
+    (no launch overhead) replayed ``replays`` times. ``fn`` picks its operands by ``i`` so
+    that a replay does not find them in L2."""
+    fn(0)
+    with platform.capture_graph(platform.new_graph_pool()) as graph:
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    platform.synchronize()
+    started = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    platform.synchronize()
+    return (time.perf_counter() - started) / (calls * replays) * 1e6
+
+
+def _dense_times(platform, n: int, k: int) -> dict:
+    """One token through an ``[n, k]`` projection: bf16, FP8 per-row, FP8 128x128 blocks."""
+    from vtllm.worker.kernels.fp8_matmul import fp8_matmul
+    from vtllm.worker.layers.fp8 import quantize_blocks, quantize_rows
+
+    copies = 20  # 20 distinct weights: together past the 50 MB L2 of an H200
+    w = [
+        torch.randn(n, k, device=platform.device, dtype=torch.bfloat16) * 0.02
+        for _ in range(copies)
+    ]
+    x = torch.randn(1, k, device=platform.device, dtype=torch.bfloat16)
+    rows = [quantize_rows(one, platform.fp8_dtype) for one in w]
+    blocks = [quantize_blocks(one, (128, 128), platform.fp8_dtype) for one in w]
+    return {
+        "bf16_us": _graph_us(platform, lambda i: torch.nn.functional.linear(x, w[i])),
+        **{
+            f"fp8_row_{path}_us": _graph_us(
+                platform,
+                lambda i, path=path: fp8_matmul(x, rows[i][0], rows[i][1][:, None], (1, k), path),
+            )
+            for path in ("gemv", "gemm")
+        },
+        **{
+            f"fp8_block_{path}_us": _graph_us(
+                platform,
+                lambda i, path=path: fp8_matmul(x, blocks[i][0], blocks[i][1], (128, 128), path),
+            )
+            for path in ("gemv", "gemm")
+        },
+    }
+
+
+def kernel_times(config: dict) -> dict:
+    """One token through the dense projections and one MoE layer of ``config``: bf16 vs
+    the FP8 kernels (per-row and 128x128 block scales), microseconds per call."""
+    from vtllm.worker.kernels.fused_moe import ExpertScales, fused_moe
+    from vtllm.worker.layers.fp8 import quantize_rows
+
+    platform = detect_platform(0)
+    device, fp8 = platform.device, platform.fp8_dtype
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    qkv = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * head_dim
+    times = {}
+    o_in = config["num_attention_heads"] * head_dim
+    for name, (n, k) in {"qkv": (qkv, hidden), "o": (hidden, o_in)}.items():
+        times |= {f"{name}_{kind}": us for kind, us in _dense_times(platform, n, k).items()}
+    num_experts, inter = config.get("num_experts", 0), config.get("moe_intermediate_size", 0)
+    if num_experts:
+        top_k = config["num_experts_per_tok"]
+        w13 = (
+            torch.randn(num_experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16) * 0.02
+        )
+        w2 = torch.randn(num_experts, hidden, inter, device=device, dtype=torch.bfloat16) * 0.02
+        x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
+        ids = [  # a different top-k per call
+            torch.randperm(num_experts, device=device)[:top_k][None].to(torch.int32)
+            for _ in range(20)
+        ]
+        weights = torch.full((1, top_k), 1.0 / top_k, device=device)
+        times["moe_bf16_us"] = _graph_us(platform, lambda i: fused_moe(x, w13, w2, weights, ids[i]))
+        (q13, s13), (q2, s2) = quantize_rows(w13, fp8), quantize_rows(w2, fp8)
+        scales = ExpertScales(s13, None), ExpertScales(s2, None)
+        times["moe_fp8_row_us"] = _graph_us(
+            platform,
+            lambda i: fused_moe(
+                x, q13, q2, weights, ids[i], w13_scales=scales[0], w2_scales=scales[1]
+            ),
+        )
+        del w13, w2, q13, q2
+    return {k: round(v, 1) for k, v in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", help="a directory with a config.json")
@@ -117,6 +206,7 @@ def main() -> None:
     config = json.loads((Path(args.model_dir) / "config.json").read_text())
     vocab, top_k = config["vocab_size"], config.get("num_experts_per_tok", 1)
     bandwidth = measure_copy_bandwidth()
+    print(json.dumps({"kernels_batch_1": kernel_times(config)}), flush=True)
     results = []
     for quantization in (None, "fp8"):
         results.append(run(args.model_dir, quantization, args.steps, vocab, top_k))

@@ -20,9 +20,9 @@ Life of a quantised layer::
 Inside, every scale is either per row (``weight_scale [N]``: a per-tensor scale repeated
 over its shard's rows, so packed q/k/v or gate/up shards keep their own) or per block
 (``weight_scale_inv``). The matmul: ``torch._scaled_mm`` with row-wise scales and dynamic
-per-token FP8 activations on NVIDIA sm_89+ (per-row weights, bf16 activations), else the
-Triton kernel ``fp8_matmul`` (weight-only: activations stay in the model dtype), and the
-dequantising reference on CPU. Experts run through ``fused_moe`` with ``ExpertScales``.
+per-token FP8 activations on NVIDIA sm_89+ for per-row weights, bf16 activations and batches
+of at least ``SCALED_MM_MIN_TOKENS`` tokens (prefill); else the Triton kernel ``fp8_matmul``
+(weight-only: activations stay in the model dtype); the dequantising reference on CPU. Experts run through ``fused_moe`` with ``ExpertScales``.
 """
 
 from __future__ import annotations
@@ -88,10 +88,18 @@ def to_e4m3fnuz(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
 # -- the linear method -----------------------------------------------------------------
 
 
+# Fewer tokens than this take the Triton kernel even where _scaled_mm runs: quantising the
+# activations per token is ~7 small kernels per linear, which at decode batch sizes cost more
+# than the halved weight bytes save (H200, Qwen3-30B-A3B shape, batch 1: 5.98 ms a step with
+# _scaled_mm everywhere vs 5.12 ms in bf16).
+SCALED_MM_MIN_TOKENS = 64
+
+
 class Fp8LinearMethod(LinearMethod):
     """``x @ dequant(weight)^T`` for a layer holding FP8 ``weight [N, K]`` and
     ``weight_scale [N]`` (``block`` None) or ``weight_scale_inv`` (``block`` ``(bn, bk)``).
-    ``backend``: ``scaled_mm`` (per-row only), ``triton`` or ``reference``."""
+    ``backend``: ``scaled_mm`` (per-row only; batches under ``SCALED_MM_MIN_TOKENS`` tokens
+    take the Triton kernel), ``triton`` or ``reference``."""
 
     def __init__(self, block: tuple[int, int] | None, backend: str) -> None:
         self.block = block
@@ -101,7 +109,7 @@ class Fp8LinearMethod(LinearMethod):
         from vtllm.worker.kernels.fp8_matmul import fp8_matmul, fp8_matmul_ref
 
         weight = layer.weight  # [N, K] fp8
-        if self.backend == "scaled_mm":
+        if self.backend == "scaled_mm" and x.shape[0] >= SCALED_MM_MIN_TOKENS:
             x_fp8, x_scale = quantize_activations(x, weight.dtype)
             return torch._scaled_mm(
                 x_fp8,
@@ -114,7 +122,7 @@ class Fp8LinearMethod(LinearMethod):
             scale, block = layer.weight_scale[:, None], (1, weight.shape[1])  # [N, 1]
         else:
             scale, block = layer.weight_scale_inv, self.block
-        matmul = fp8_matmul if self.backend == "triton" else fp8_matmul_ref
+        matmul = fp8_matmul_ref if self.backend == "reference" else fp8_matmul
         return matmul(x, weight, scale, block)  # [M, N]
 
 
