@@ -138,20 +138,12 @@ def _dense_times(platform, n: int, k: int) -> dict:
     blocks = [quantize_blocks(one, (128, 128), platform.fp8_dtype) for one in w]
     return {
         "bf16_us": _graph_us(platform, lambda i: torch.nn.functional.linear(x, w[i])),
-        **{
-            f"fp8_row_{path}_us": _graph_us(
-                platform,
-                lambda i, path=path: fp8_matmul(x, rows[i][0], rows[i][1][:, None], (1, k), path),
-            )
-            for path in ("gemv", "gemm")
-        },
-        **{
-            f"fp8_block_{path}_us": _graph_us(
-                platform,
-                lambda i, path=path: fp8_matmul(x, blocks[i][0], blocks[i][1], (128, 128), path),
-            )
-            for path in ("gemv", "gemm")
-        },
+        "fp8_row_us": _graph_us(
+            platform, lambda i: fp8_matmul(x, rows[i][0], rows[i][1][:, None], (1, k))
+        ),
+        "fp8_block_us": _graph_us(
+            platform, lambda i: fp8_matmul(x, blocks[i][0], blocks[i][1], (128, 128))
+        ),
     }
 
 

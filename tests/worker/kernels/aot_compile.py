@@ -234,13 +234,6 @@ VARIANTS = [
         fp8_pointers=("w_ptr",),
     ),
     Variant(
-        "fp8_gemv/bf16-block-128",
-        fp8_matmul._fp8_gemv_kernel,
-        "bf16",
-        dict(SCALE_BLOCK_N=128, SCALE_BLOCK_K=128, PER_ROW=False, BLOCK_N=32, BLOCK_K=128),
-        fp8_pointers=("w_ptr",),
-    ),
-    Variant(
         "fp8_matmul/fp16-per-row",
         fp8_matmul._fp8_matmul_kernel,
         "fp16",

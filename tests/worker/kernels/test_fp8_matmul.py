@@ -49,21 +49,20 @@ def test_dequantize_ref_matches_hand_written_blocks():
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k", "block", "dtype", "path"),
+    ("m", "n", "k", "block", "dtype"),
     [
-        (3, 40, 64, (16, 32), torch.float32, "gemm"),  # ragged N edge block
-        (3, 40, 64, (16, 32), torch.float32, "gemv"),
-        (1, 96, 80, (32, 16), torch.float32, "auto"),  # decode row, bn != bk, ragged K
-        (20, 24, 48, (1, 48), torch.float32, "auto"),  # per-row scales, two M tiles
-        (2, 24, 200, (1, 200), torch.float32, "gemv"),  # per-row, two K tiles
-        (5, 64, 128, (128, 128), torch.float16, "gemm"),  # one partial 128x128 block
+        (3, 40, 64, (16, 32), torch.float32),  # ragged N edge block
+        (1, 96, 80, (32, 16), torch.float32),  # decode row, bn != bk, ragged K
+        (20, 24, 48, (1, 48), torch.float32),  # per-row scales, two M tiles
+        (2, 24, 200, (1, 200), torch.float32),  # per-row, two K tiles
+        (5, 64, 128, (128, 128), torch.float16),  # one partial 128x128 block
     ],
 )
-def test_fp8_matmul_matches_reference(m, n, k, block, dtype, path, device, generator):
+def test_fp8_matmul_matches_reference(m, n, k, block, dtype, device, generator):
     w, scale = _fp8_problem(n, k, block, generator)
     x = torch.randn(m, k, generator=generator)
     x, w, scale = x.to(device, dtype), w.to(device), scale.to(device)
-    actual = fp8_matmul(x, w, scale, block, path)
+    actual = fp8_matmul(x, w, scale, block)
     assert actual.shape == (m, n) and actual.dtype == dtype
     assert_close(actual, fp8_matmul_ref(x, w, scale, block), f"{block}")
 
@@ -134,16 +133,16 @@ def test_fused_moe_ref_fp8_equals_dequantised_weights(generator):
 
 
 @gpu
-@pytest.mark.parametrize(("m", "path"), [(1, "gemv"), (1, "gemm"), (7, "auto"), (300, "auto")])
+@pytest.mark.parametrize("m", [1, 7, 300])
 @pytest.mark.parametrize("block", [(128, 128), None])
-def test_gpu_fp8_matmul_bf16(m, path, block, device):
+def test_gpu_fp8_matmul_bf16(m, block, device):
     """A Qwen3-30B-A3B qkv projection shape (hidden 2048 → 5120) in bf16."""
     gen = torch.Generator().manual_seed(1)
     n, k = 5120, 2048
     w, scale = _fp8_problem(n, k, block or (1, k), gen)
     x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
     w, scale = w.to(device), scale.to(device)
-    actual = fp8_matmul(x, w, scale, block or (1, k), path)
+    actual = fp8_matmul(x, w, scale, block or (1, k))
     # the fp32 reference: the kernel's only rounding is its bf16 output
     expected = fp8_matmul_ref(x.float(), w, scale, block or (1, k))
     assert_close(actual, expected, f"m={m} {block}")

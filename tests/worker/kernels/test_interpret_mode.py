@@ -26,7 +26,6 @@ from .conftest import NEEDS_FRESH_PROCESS, ON_GPU, interpreter_ready
 
 KERNELS = [
     activation._act_and_mul_kernel,
-    fp8_matmul._fp8_gemv_kernel,
     fp8_matmul._fp8_matmul_kernel,
     fused_moe._fused_moe_gemm_kernel,
     fused_moe._fused_moe_gemv_kernel,

@@ -17,13 +17,13 @@ Scale layout, one fp32 per ``block_n × block_k`` block of the ``[N, K]`` weight
 channel scales (``weight_scale [N]``, also a per-tensor scale repeated) are the case
 ``block = (1, K)``, ``scale [N, 1]``.
 
-The GEMM kernel (prefill): one program per ``BLOCK_M × BLOCK_N`` output tile. Its K loop loads an FP8
-weight tile and converts it to x's dtype (exact: e4m3 values fit in fp16, bf16 and fp32),
-then dots in fp32. Block scales multiply each K tile's partial product (``BLOCK_K`` divides
-``block_k``, so a tile lies in one scale block); per-row scales multiply the accumulator
-once, after the loop. The GEMV kernel (decode, a few rows) does the same per row with fp32
-multiply-adds instead of ``tl.dot``. ``fp8_matmul_ref`` dequantises the whole weight and calls
-``F.linear``: the CPU path and the tests' oracle.
+The kernel: one program per ``BLOCK_M × BLOCK_N`` output tile (16 rows at decode sizes,
+``tl.dot``'s minimum; a GEMV variant without ``tl.dot`` measured slower on the H200). Its K
+loop loads an FP8 weight tile and converts it to x's dtype (exact: e4m3 values fit in fp16,
+bf16 and fp32), then dots in fp32. Block scales multiply each K tile's partial product
+(``BLOCK_K`` divides ``block_k``, so a tile lies in one scale block); per-row scales multiply
+the accumulator once, after the loop. ``fp8_matmul_ref`` dequantises the whole weight and
+calls ``F.linear``: the CPU path and the tests' oracle.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ import torch
 import torch.nn.functional as F
 
 from vtllm.worker.kernels._triton import tl, triton
-
-GEMV_MAX_ROWS = 4  # fp8_matmul's auto path: rows of x at most this take the GEMV kernel
 
 
 @triton.jit
@@ -87,65 +85,11 @@ def _fp8_matmul_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _fp8_gemv_kernel(
-    out_ptr,  # [m, n], x's dtype
-    x_ptr,  # [m, k]
-    w_ptr,  # [n, k] fp8
-    scale_ptr,  # as in _fp8_matmul_kernel
-    n,
-    k,
-    stride_x_row,
-    stride_out_row,
-    stride_w_row,
-    stride_scale_row,
-    SCALE_BLOCK_N: tl.constexpr,
-    SCALE_BLOCK_K: tl.constexpr,
-    PER_ROW: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Decode path: one program per (row of x, BLOCK_N outputs), fp32 multiply-adds, no
-    ``tl.dot`` (whose 16-row minimum would waste 15/16 of its work on one row)."""
-    row = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < n
-    x_row = x_ptr + row * stride_x_row
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w_row + offs_k[None, :]  # [BN, BK]
-    scale_rows = scale_ptr + (offs_n // SCALE_BLOCK_N).to(tl.int64) * stride_scale_row  # [BN]
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        k_mask = offs_k + k0 < k
-        a = tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if PER_ROW:
-            acc += tl.sum(w * a[None, :], axis=1)
-        else:
-            scale = tl.load(scale_rows + k0 // SCALE_BLOCK_K, mask=n_mask, other=0.0)
-            acc += tl.sum(w * a[None, :], axis=1) * scale
-        w_ptrs += BLOCK_K
-    if PER_ROW:
-        acc = acc * tl.load(scale_rows, mask=n_mask, other=0.0)
-    tl.store(out_ptr + row * stride_out_row + offs_n, acc.to(out_ptr.dtype.element_ty), n_mask)
-
-
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     from vtllm.worker.kernels.fused_moe import _num_sms as num_sms
 
     return num_sms(device)
-
-
-def _gemv_tiles(m: int, n: int, block: tuple[int, int], per_row: bool, device: torch.device):
-    """(BLOCK_N, BLOCK_K) of the decode path: the widest N tile (64, 32, 16) that still
-    starts two programs per SM."""
-    block_n = 16
-    for candidate in (64, 32):
-        if m * triton.cdiv(n, candidate) >= 2 * _num_sms(device):
-            block_n = candidate
-            break
-    return block_n, 128 if per_row else min(128, block[1])
 
 
 def _tiles(m: int, n: int, block: tuple[int, int], per_row: bool, device: torch.device):
@@ -177,12 +121,9 @@ def fp8_matmul(
     w: torch.Tensor,  # [n, k] fp8
     scale: torch.Tensor,  # [cdiv(n, bn), cdiv(k, bk)] fp32
     block: tuple[int, int],  # (bn, bk); (1, k) = per output row
-    path: str = "auto",
 ) -> torch.Tensor:
-    """``x @ dequant(w, scale, block)^T`` as ``[m, n]`` in x's dtype (no bias). ``path``:
-    ``gemv`` (one row at a time, no ``tl.dot``), ``gemm`` (tiles through ``tl.dot``) or
-    ``auto`` (``gemv`` up to ``GEMV_MAX_ROWS`` rows). Raises ValueError when the scale's
-    shape does not match ``w`` and ``block``."""
+    """``x @ dequant(w, scale, block)^T`` as ``[m, n]`` in x's dtype (no bias). Raises
+    ValueError when the scale's shape does not match ``w`` and ``block``."""
     m, k = x.shape
     n = w.shape[0]
     per_row = block == (1, k)
@@ -197,17 +138,8 @@ def fp8_matmul(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if path not in ("auto", "gemv", "gemm"):
-        raise ValueError(f"path must be auto, gemv or gemm, got {path!r}")
     strides = (x.stride(0), out.stride(0), w.stride(0), scale.stride(0))
     scale_args = dict(SCALE_BLOCK_N=block[0], SCALE_BLOCK_K=block[1], PER_ROW=per_row)
-    if path == "gemv" or (path == "auto" and m <= GEMV_MAX_ROWS):
-        block_n, block_k = _gemv_tiles(m, n, block, per_row, x.device)
-        _fp8_gemv_kernel[(m, triton.cdiv(n, block_n))](
-            out, x, w, scale, n, k, *strides, **scale_args,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-        )  # fmt: skip
-        return out
     block_m, block_n, block_k = _tiles(m, n, block, per_row, x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _fp8_matmul_kernel[grid](
