@@ -253,3 +253,21 @@ def test_quantization_config_layouts_are_read():
     assert block.scale_name == "weight_scale_inv"
     channel = resolve_quantization({"quantization_config": LAYOUTS["ct-channel"]}, None)
     assert channel.weight_block_size is None and channel.ignored == ("lm_head",)
+
+
+def test_quantization_flag_and_checkpoint_refusals_before_start(capsys):
+    """``--quantization`` is a serve/bench flag; another method is a one-line exit 2; an
+    unsupported checkpoint is refused by the launcher's model check, before any worker."""
+    from tests.test_cli_vllm import parse, refused
+    from vtllm.startup import StartupError, check_model_config
+
+    assert parse("serve org/m --quantization fp8").model.quantization == "fp8"
+    assert parse("bench latency --quantization fp8").model.quantization == "fp8"
+    assert parse("serve org/m").model.quantization is None
+    error = refused("serve org/m --quantization awq", capsys)
+    assert "--quantization" in error and "'awq'" in error and "fp8" in error
+    awq = {"architectures": ["Qwen3ForCausalLM"], "quantization_config": {"quant_method": "awq"}}
+    with pytest.raises(StartupError, match="m: checkpoint quantization 'awq' is not supported"):
+        check_model_config(awq, "m", None)
+    with pytest.raises(StartupError, match="--quantization 'int8' is not supported"):
+        check_model_config({"architectures": ["Qwen3ForCausalLM"]}, "m", None, "int8")
