@@ -226,3 +226,41 @@ def test_worker_logs_the_kv_dtype_and_the_scales_in_use(qwen3_dir, caplog):
         "KV cache dtype float8_e4m3fn (--kv-cache-dtype fp8): 512 bytes/token; "
         "scales k_scale 0.5..1, v_scale 1"
     )
+
+
+def test_a_cpu_worker_refuses_fp8_before_loading(qwen3_dir, tmp_path, monkeypatch):
+    """The worker process itself (no GPU visible) answers --kv-cache-dtype fp8 with a
+    WorkerFailure naming the fix, and exits 1."""
+    import multiprocessing
+    import socket
+
+    from vtllm.config import VtllmConfig
+    from vtllm.protocol import messages as m
+    from vtllm.worker.worker import run_worker
+
+    from .test_worker_process import FakeEngine, _join
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "")
+    config = VtllmConfig()
+    config.cache.kv_cache_dtype = "fp8"
+    address = f"ipc://{tmp_path}/engine.sock"
+    engine = FakeEngine(address)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dist_address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_worker,
+        args=(config.to_bytes(), str(qwen3_dir), 0, 1, address, dist_address),
+    )
+    proc.start()
+    try:
+        _, message = engine.receive()
+        assert isinstance(message, m.WorkerFailure), message
+        first_line = message.message.splitlines()[0]
+        assert first_line.startswith("ValueError: --kv-cache-dtype fp8 needs a CUDA or ROCm GPU")
+        assert "drop --kv-cache-dtype" in first_line
+        assert _join([proc]) == [1]
+    finally:
+        _join([proc], timeout_s=1.0)
+        engine.close()
