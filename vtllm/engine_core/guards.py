@@ -82,7 +82,7 @@ def check_kv_cache_fits(
         raise KVCacheTooSmallError(
             f"--max-model-len {pinned_max_model_len} {numbers}. Lower --max-model-len to "
             f"{fits} or less, or give the KV cache more memory ({memory_flag}, a smaller "
-            "--dtype, or more --tensor-parallel-size)."
+            "--dtype, --kv-cache-dtype fp8 on a GPU, or more --tensor-parallel-size)."
         )
     logger.warning(
         "max_model_len auto-fitted from %d to %d (%s; raise %s to keep %d)",
