@@ -45,6 +45,32 @@ def test_chunked_prefill_mixed_with_decode(kind, tmp_path):
         _check(engine, hf_model, engine.step({"b": 1, "a": 1}))
 
 
+def test_tensor_parallel_two_ranks(tmp_path):
+    """Two gloo ranks on the CPU: attention heads, the dense MLP and every expert's width
+    split, the router and per-layer scales replicated; prefill and teacher-forced decodes
+    against transformers."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from .moe_tp_rank import run_rank
+    from .test_llama_vs_transformers import ATOL
+    from .tiny_models import hf_last_logprobs
+
+    hf_model = make_hf_model("gemma4_moe_tp2", tmp_path / "model")
+    prompt, forced = [5, 9, 17, 33, 65, 1, 7], [100, 4, 250, 8]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out_path = str(tmp_path / "logprobs.pt")
+    args = (2, port, str(tmp_path / "model"), prompt, forced, VOCAB_SIZE, out_path)
+    mp.start_processes(run_rank, args=args, nprocs=2, start_method="spawn", join=True)
+    actual = torch.load(out_path)  # [len(forced) + 1, vocab]
+    for i in range(len(forced) + 1):
+        expected = hf_last_logprobs(hf_model, prompt + forced[:i])
+        torch.testing.assert_close(actual[i], expected, atol=ATOL, rtol=0)
+
+
 def test_padded_decode_path_matches_eager_steps(tmp_path):
     """The decode-graph path (padded batches, its eager form on the CPU) with per-layer KV
     shapes and KV-sharing layers gives the eager steps' outputs."""

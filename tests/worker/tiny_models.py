@@ -115,7 +115,8 @@ def _gemma4_config(kind: str):
     """Gemma 4 text configs shaped like the released checkpoints, shrunk:
 
     * ``gemma4_moe`` (26B-A4B): dense MLP beside 8 experts (top 2), full layers with
-      ``attention_k_eq_v``, their own head_dim and KV heads, proportional rope;
+      ``attention_k_eq_v``, their own head_dim and KV heads, proportional rope
+      (``gemma4_moe_tp2``: 2 KV heads on full layers too, for tensor parallelism);
     * ``gemma4_dense`` (31B): the same attention, no experts;
     * ``gemma4_ple`` (E2B/E4B): per-layer inputs, the last 2 of 5 layers share KV (and have
       a double-wide MLP), separate k and v projections on full layers;
@@ -144,6 +145,8 @@ def _gemma4_config(kind: str):
     moe = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=24)
     if kind == "gemma4_moe":
         return transformers.Gemma4TextConfig(**text, **moe)
+    if kind == "gemma4_moe_tp2":  # full layers' KV heads divisible by 2, as in the 26B
+        return transformers.Gemma4TextConfig(**{**text, "num_global_key_value_heads": 2}, **moe)
     if kind == "gemma4_dense":
         return transformers.Gemma4TextConfig(**text)
     if kind == "gemma4_ple":
