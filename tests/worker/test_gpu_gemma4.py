@@ -71,10 +71,13 @@ def _two_layer_26b_config() -> dict:
 
 
 def test_realistic_26b_layers_bf16(tmp_path):
-    """bf16, a 1100-token prompt (past the 1024 window) beside a 7-token one, then 12
-    decode steps of both; worst logprob difference and greedy agreement printed. Random
-    weights route nearly uniformly, so bf16 noise can swap an expert at the top-8
-    boundary: most outputs must agree within 0.25, as for the other MoE families."""
+    """bf16, a 1100-token prompt (past the 1024 window) beside a 7-token one, then decode
+    steps of both. Random-weight Gemma 4 is noisy in bf16 (attention at scale 1 over
+    RMS-normed q and k is sharp; measured on the CPU at a shrunk shape: transformers'
+    own bf16 is 0.64 in logprob off its fp32, vtllm's 0.62, the two 0.16 apart), so the
+    bar is relative: against an fp32 truth on the same weights, vtllm's bf16 errors may
+    be at most 1.5x (+0.05) a bf16 baseline's (transformers' bf16, else vtllm's torch
+    path in bf16 on the CPU), and its greedy picks agree with the truth nearly as often."""
     import json
 
     device = detect_platform(0).device
@@ -83,7 +86,7 @@ def test_realistic_26b_layers_bf16(tmp_path):
     runner = ModelRunner.from_model_dir(
         tmp_path, device, torch.bfloat16, seed=0, load_format="dummy"
     )
-    reference = _reference(config, runner, tmp_path)
+    truth, baseline = _references(config, runner, tmp_path)
     runner.init_kv_cache(num_blocks=160, block_size=16)
     engine = EngineSim(runner.execute, num_blocks=160, block_size=16)
     rng = random.Random(0)
@@ -91,26 +94,30 @@ def test_realistic_26b_layers_bf16(tmp_path):
     engine.add("a", [rng.randrange(10, 200000) for _ in range(1100)], params)
     engine.add("b", [rng.randrange(10, 200000) for _ in range(7)], params)
     schedule = {"a": 1100, "b": 7}
-    worst, same_pick, close, total = 0.0, 0, 0, 0
-    for _ in range(13):
+    ours_errors, baseline_errors, ours_same, baseline_same = [], [], 0, 0
+    for _ in range(2 if truth.slow else 13):  # the CPU references: prefill and one decode
         output = engine.step(schedule)
         for i, request_id in enumerate(output.request_ids):
-            expected = reference(engine.requests[request_id].token_ids[:-1])  # [vocab]
+            tokens = engine.requests[request_id].token_ids[:-1]
+            expected, base = truth(tokens), baseline(tokens)  # [vocab] each
             ids = [token_id for token_id, _ in output.top_logprobs[i]]
             actual = torch.tensor([logprob for _, logprob in output.top_logprobs[i]])
-            difference = float((actual - expected[ids]).abs().max())
-            worst = max(worst, difference)
-            close += difference <= 0.25
-            same_pick += output.sampled_token_ids[i] == int(expected.argmax())
-            total += 1
+            ours_errors.append(float((actual - expected[ids]).abs().max()))
+            baseline_errors.append(float((base[ids] - expected[ids]).abs().max()))
+            ours_same += output.sampled_token_ids[i] == int(expected.argmax())
+            baseline_same += int(base.argmax()) == int(expected.argmax())
         schedule = {"a": 1, "b": 1}
-        if total >= 8 and reference.slow:  # the CPU reference: fewer steps
-            break
+    count = len(ours_errors)
+    mean_ours, mean_base = sum(ours_errors) / count, sum(baseline_errors) / count
     print(
-        f"gemma4-26b (2 layers) bf16 vs {reference.name}: max |dlogprob| {worst:.4f}, "
-        f"{close}/{total} within 0.25, {same_pick}/{total} same pick"
+        f"gemma4-26b (2 layers) vs {truth.name} over {count} outputs: vtllm bf16 max "
+        f"{max(ours_errors):.4f} mean {mean_ours:.4f}, {ours_same} same picks; "
+        f"{baseline.name} max {max(baseline_errors):.4f} mean {mean_base:.4f}, "
+        f"{baseline_same} same picks"
     )
-    assert close >= 0.85 * total and same_pick >= 0.85 * total
+    assert max(ours_errors) <= 1.5 * max(baseline_errors) + 0.05
+    assert mean_ours <= 1.5 * mean_base + 0.05
+    assert ours_same >= baseline_same - max(2, count // 10)
 
 
 class _Reference:
@@ -124,44 +131,62 @@ class _Reference:
             return self.fn(token_ids)
 
 
-def _reference(config: dict, runner: ModelRunner, tmp_path) -> _Reference:
-    """transformers in bf16 on the GPU holding the runner's weights when it has Gemma 4,
-    else vtllm's torch path in fp32 on the CPU with the same weights."""
-    device = runner.device
+def _references(config: dict, runner: ModelRunner, tmp_path) -> tuple[_Reference, _Reference]:
+    """(fp32 truth, bf16 baseline) holding the runner's weights: transformers on the GPU
+    when it has Gemma 4, else vtllm's torch path on the CPU."""
     if _has_gemma4():
+        import copy
+
         import transformers
 
         settings = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
-        hf_config = transformers.Gemma4TextConfig(**settings)
-        with torch.device(device):
-            hf_model = transformers.Gemma4ForCausalLM(hf_config).to(torch.bfloat16).eval()
-        _copy_weights_to_transformers(runner.model, hf_model)
+        with torch.device(runner.device):
+            hf_fp32 = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**settings))
+        _copy_weights_to_transformers(runner.model, hf_fp32.float().eval())
+        hf_bf16 = copy.deepcopy(hf_fp32).to(torch.bfloat16)
+        return (
+            _Reference("transformers fp32", _hf_logprobs(hf_fp32), slow=False),
+            _Reference("transformers bf16", _hf_logprobs(hf_bf16), slow=False),
+        )
+    return (
+        _Reference("vtllm torch fp32 (CPU)", _cpu_logprobs(runner, tmp_path, torch.float32), True),
+        _Reference("vtllm torch bf16 (CPU)", _cpu_logprobs(runner, tmp_path, torch.bfloat16), True),
+    )
 
-        def run(token_ids: list[int]) -> torch.Tensor:
-            logits = hf_model(torch.tensor([token_ids], device=device)).logits[0, -1]
-            return torch.log_softmax(logits.float(), dim=-1).cpu()
 
-        return _Reference("transformers", run, slow=False)
+def _hf_logprobs(hf_model):
+    device = next(hf_model.parameters()).device
+
+    def run(token_ids: list[int]) -> torch.Tensor:
+        logits = hf_model(torch.tensor([token_ids], device=device)).logits[0, -1]
+        return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+    return run
+
+
+def _cpu_logprobs(runner: ModelRunner, tmp_path, dtype: torch.dtype):
+    """vtllm's torch path on the CPU in ``dtype`` with ``runner``'s weights: one fresh
+    prefill per call."""
     cpu_runner = ModelRunner.from_model_dir(
-        tmp_path, torch.device("cpu"), torch.float32, seed=0, load_format="dummy"
+        tmp_path, torch.device("cpu"), dtype, seed=0, load_format="dummy"
     )
     with torch.no_grad():
         for target, source in zip(
             cpu_runner.model.parameters(), runner.model.parameters(), strict=True
         ):
-            target.copy_(source.float().cpu())
+            target.copy_(source.to("cpu", dtype))
     cpu_runner.init_kv_cache(num_blocks=80, block_size=16)
+    vocab_size = cpu_runner.vocab_size
 
-    def run_cpu(token_ids: list[int]) -> torch.Tensor:
+    def run(token_ids: list[int]) -> torch.Tensor:
         engine = EngineSim(cpu_runner.execute, num_blocks=80, block_size=16)
-        every_logprob = SamplingParams(temperature=0.0, logprobs=config["vocab_size"])
-        engine.add("r", token_ids, every_logprob)
+        engine.add("r", token_ids, SamplingParams(temperature=0.0, logprobs=vocab_size))
         output = engine.step({"r": len(token_ids)})
         engine.finish("r")
         engine.step({})
-        return full_logprobs(output, 0, config["vocab_size"])
+        return full_logprobs(output, 0, vocab_size)
 
-    return _Reference("vtllm torch fp32 (CPU)", run_cpu, slow=True)
+    return run
 
 
 def _copy_weights_to_transformers(model, hf_model) -> None:
