@@ -13,6 +13,7 @@ touches top_k experts). Prints one JSON line per quantisation and one comparing 
 
     python3 benchmarks/fp8_decode.py --model-shape qwen3-30b-a3b [--steps 100]
     python3 benchmarks/fp8_decode.py --model-dir DIR  # any config.json
+    python3 benchmarks/fp8_decode.py --model-shape qwen3-30b-a3b --sweep 1  # dense tiles
 """
 
 from __future__ import annotations
@@ -147,6 +148,54 @@ def _dense_times(platform, n: int, k: int) -> dict:
     }
 
 
+def sweep_dense_tiles(config: dict, tokens: int) -> list[dict]:
+    """``fp8_matmul`` launch configurations for the qkv and o projections at ``tokens``
+    rows (per-channel and 128x128 block scales): microseconds each, bf16 ``F.linear`` and
+    the default configuration first."""
+    import itertools
+
+    from vtllm.worker.kernels.fp8_matmul import Tiles, _tiles, fp8_matmul
+    from vtllm.worker.layers.fp8 import quantize_blocks, quantize_rows
+
+    platform = detect_platform(0)
+    hidden, head_dim, heads = (
+        config["hidden_size"],
+        config["head_dim"],
+        config["num_attention_heads"],
+    )
+    qkv = (heads + 2 * config["num_key_value_heads"]) * head_dim
+    results = []
+    for name, (n, k) in {"qkv": (qkv, hidden), "o": (hidden, heads * head_dim)}.items():
+        w = [torch.randn(n, k, device=platform.device, dtype=torch.bfloat16) for _ in range(20)]
+        x = torch.randn(tokens, k, device=platform.device, dtype=torch.bfloat16)
+        bf16_us = _graph_us(platform, lambda i, x=x, w=w: torch.nn.functional.linear(x, w[i]))
+        results.append({"proj": name, "scales": "bf16 (cuBLAS)", "us": round(bf16_us, 1)})
+        for kind, quantize, block in (
+            ("row", lambda t: quantize_rows(t, platform.fp8_dtype), (1, k)),
+            ("block", lambda t: quantize_blocks(t, (128, 128), platform.fp8_dtype), (128, 128)),
+        ):
+            weights = [quantize(one) for one in w]
+            if kind == "row":
+                weights = [(q, s[:, None]) for q, s in weights]
+            default = _tiles(tokens, n, block, kind == "row", platform.device)
+            block_ks = (128, 256, 512) if kind == "row" else (64, 128)
+            candidates = [default] + [
+                Tiles(16 if tokens <= 16 else 64, bn, bk, warps, stages)
+                for bn, bk, warps, stages in itertools.product((16, 32, 64), block_ks, (4,), (3, 5))
+            ]
+            for tiles in candidates:
+                us = _graph_us(
+                    platform,
+                    lambda i, x=x, ws=weights, block=block, tiles=tiles: fp8_matmul(
+                        x, *ws[i], block, tiles
+                    ),
+                )
+                results.append(
+                    {"proj": name, "scales": kind, "tiles": tiles.__dict__, "us": round(us, 1)}
+                )
+    return results
+
+
 def kernel_times(config: dict) -> dict:
     """One token through the dense projections and one MoE layer of ``config``: bf16 vs
     the FP8 kernels (per-row and 128x128 block scales), microseconds per call."""
@@ -191,12 +240,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", help="a directory with a config.json")
     parser.add_argument("--model-shape", help="a vtllm bench --model-shape name instead")
+    parser.add_argument(
+        "--sweep",
+        type=int,
+        metavar="TOKENS",
+        help="only time fp8_matmul launch configurations at TOKENS rows (default first)",
+    )
     parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
     if args.model_shape:
         args.model_dir = str(write_shape_dir(args.model_shape))
     config = json.loads((Path(args.model_dir) / "config.json").read_text())
     vocab, top_k = config["vocab_size"], config.get("num_experts_per_tok", 1)
+    if args.sweep:
+        for row in sweep_dense_tiles(config, args.sweep):
+            print(json.dumps(row), flush=True)
+        return
     bandwidth = measure_copy_bandwidth()
     print(json.dumps({"kernels_batch_1": kernel_times(config)}), flush=True)
     results = []

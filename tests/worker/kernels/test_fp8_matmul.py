@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vtllm.worker.kernels.fp8_matmul import dequantize_ref, fp8_matmul, fp8_matmul_ref
+from vtllm.worker.kernels.fp8_matmul import Tiles, dequantize_ref, fp8_matmul, fp8_matmul_ref
 from vtllm.worker.kernels.fused_moe import ExpertScales, fused_moe, fused_moe_ref
 
 from .marks import assert_close, gpu
@@ -65,6 +65,19 @@ def test_fp8_matmul_matches_reference(m, n, k, block, dtype, device, generator):
     actual = fp8_matmul(x, w, scale, block)
     assert actual.shape == (m, n) and actual.dtype == dtype
     assert_close(actual, fp8_matmul_ref(x, w, scale, block), f"{block}")
+
+
+def test_fp8_matmul_tiles_override(device, generator):
+    """A launch configuration other than the default (wider K tiles, 8 warps) computes the
+    same product; a K tile that does not divide the scale block is refused."""
+    w, scale = _fp8_problem(48, 300, (1, 300), generator)
+    x = torch.randn(2, 300, generator=generator)
+    x, w, scale = x.to(device), w.to(device), scale.to(device)
+    actual = fp8_matmul(x, w, scale, (1, 300), Tiles(16, 32, 256, num_warps=8))
+    assert_close(actual, fp8_matmul_ref(x, w, scale, (1, 300)), "tiles")
+    w_blk, s_blk = _fp8_problem(32, 128, (32, 32), generator)
+    with pytest.raises(ValueError, match="BLOCK_K 64 does not divide"):
+        fp8_matmul(x[:, :128], w_blk.to(device), s_blk.to(device), (32, 32), Tiles(16, 16, 64))
 
 
 def test_fp8_matmul_refuses_bad_scales(device):

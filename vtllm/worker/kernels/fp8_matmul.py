@@ -29,6 +29,7 @@ calls ``F.linear``: the CPU path and the tests' oracle.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -92,9 +93,21 @@ def _num_sms(device: torch.device) -> int:
     return num_sms(device)
 
 
-def _tiles(m: int, n: int, block: tuple[int, int], per_row: bool, device: torch.device):
-    """(BLOCK_M, BLOCK_N, BLOCK_K). Decode (m <= 16) is weight-bandwidth bound: the
-    widest N tile that still starts two programs per SM."""
+@dataclass(frozen=True)
+class Tiles:
+    """A launch configuration of ``_fp8_matmul_kernel`` (``BLOCK_K`` must divide a block
+    scale's ``block_k``); ``num_stages`` None = Triton's default."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int | None = None
+
+
+def _tiles(m: int, n: int, block: tuple[int, int], per_row: bool, device: torch.device) -> Tiles:
+    """Decode (m <= 16) is weight-bandwidth bound: the widest N tile that still starts two
+    programs per SM. ``benchmarks/fp8_decode.py --sweep`` times other choices."""
     block_m = 16 if m <= 16 else 64
     block_n = 16
     for candidate in (64, 32):
@@ -104,7 +117,7 @@ def _tiles(m: int, n: int, block: tuple[int, int], per_row: bool, device: torch.
     block_k = 128 if m <= 16 else 64
     if not per_row:
         block_k = min(block_k, block[1])
-    return block_m, block_n, block_k
+    return Tiles(block_m, block_n, block_k)
 
 
 def check_scale_block(block: tuple[int, int], per_row: bool) -> None:
@@ -121,9 +134,11 @@ def fp8_matmul(
     w: torch.Tensor,  # [n, k] fp8
     scale: torch.Tensor,  # [cdiv(n, bn), cdiv(k, bk)] fp32
     block: tuple[int, int],  # (bn, bk); (1, k) = per output row
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
-    """``x @ dequant(w, scale, block)^T`` as ``[m, n]`` in x's dtype (no bias). Raises
-    ValueError when the scale's shape does not match ``w`` and ``block``."""
+    """``x @ dequant(w, scale, block)^T`` as ``[m, n]`` in x's dtype (no bias); ``tiles``
+    overrides the launch configuration (benchmarks). Raises ValueError when the scale's
+    shape does not match ``w`` and ``block``, or ``tiles.block_k`` does not divide it."""
     m, k = x.shape
     n = w.shape[0]
     per_row = block == (1, k)
@@ -140,11 +155,15 @@ def fp8_matmul(
         return out
     strides = (x.stride(0), out.stride(0), w.stride(0), scale.stride(0))
     scale_args = dict(SCALE_BLOCK_N=block[0], SCALE_BLOCK_K=block[1], PER_ROW=per_row)
-    block_m, block_n, block_k = _tiles(m, n, block, per_row, x.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    tiles = tiles or _tiles(m, n, block, per_row, x.device)
+    if not per_row and block[1] % tiles.block_k:
+        raise ValueError(f"BLOCK_K {tiles.block_k} does not divide the scale block {block}")
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
+    stages = {} if tiles.num_stages is None else {"num_stages": tiles.num_stages}
     _fp8_matmul_kernel[grid](
         out, x, w, scale, m, n, k, *strides, **scale_args,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, **stages,
     )  # fmt: skip
     return out
 
