@@ -1,7 +1,7 @@
 """FP8 (e4m3) weights through the real loader and model runner on CPU: tiny random Qwen3 and
 Qwen3-MoE checkpoints quantised here, in the test, to the Hugging Face layouts (vLLM fp8
 ``weight_scale`` per tensor with static ``input_scale``; DeepSeek / Qwen3-FP8
-``weight_scale_inv`` blocks; compressed-tensors per-channel ``weight_scale [N, 1]``), plus
+``weight_scale_inv`` blocks, bf16 as Qwen3-FP8 stores them; compressed-tensors per-channel ``weight_scale [N, 1]``), plus
 ``--quantization fp8`` on the fp32 checkpoint.
 
 What is compared (prefill, then teacher-forced decode steps, full-vocab logprobs):
@@ -87,9 +87,14 @@ def _quantize(w: torch.Tensor, layout: dict) -> tuple[torch.Tensor, torch.Tensor
         for j in range(scale.shape[1]):
             rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
             scale[i, j] = w[rows, cols].abs().max() / FP8_MAX
+            if "weight_block_size" in layout:  # Qwen3-FP8 stores bf16 block scales;
+                # rounded up a little so that no weight exceeds e4m3's 448 (that is NaN)
+                scale[i, j] = (scale[i, j] * 1.01).bfloat16().float()
             w_fp8[rows, cols] = (w[rows, cols] / scale[i, j]).to(FP8)
             dequantised[rows, cols] = w_fp8[rows, cols].float() * scale[i, j]
-    if "weight_block_size" not in layout and layout["quant_method"] == "fp8":
+    if "weight_block_size" in layout:
+        scale = scale.bfloat16()  # exact: the values were rounded to bf16 above
+    elif layout["quant_method"] == "fp8":
         scale = scale.reshape(())  # one scalar per tensor
     return w_fp8, scale, dequantised
 
