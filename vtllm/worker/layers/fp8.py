@@ -193,7 +193,8 @@ def _prepare_column(layer: ColumnParallelLinear, block: tuple[int, int] | None) 
             _copy_rows(param.data.narrow(0, offset, size), loaded, size * tp.size, tp.rank * size)
             return
         rows = _cdiv(size, block[0])
-        _check_block_shape(loaded, (_cdiv(size * tp.size, block[0]), _cdiv(k, block[1])), "")
+        expected = (_cdiv(size * tp.size, block[0]), _cdiv(k, block[1]))
+        _check_block_shape(loaded, expected, f"shard {shard_id!r}")
         part = loaded.narrow(0, tp.rank * rows, rows)
         param.data.narrow(0, offset // block[0], rows).copy_(part)
 
@@ -219,7 +220,8 @@ def _prepare_row(layer: RowParallelLinear, block: tuple[int, int] | None) -> Non
             _copy_rows(param.data, loaded, n, 0)
             return
         cols = param.shape[1]
-        _check_block_shape(loaded, (_cdiv(n, block[0]), _cdiv(k_local * tp.size, block[1])), "")
+        expected = (_cdiv(n, block[0]), _cdiv(k_local * tp.size, block[1]))
+        _check_block_shape(loaded, expected, "row-parallel")
         param.data.copy_(loaded.narrow(1, tp.rank * cols, cols))
 
     if block is None:
@@ -261,11 +263,13 @@ def _prepare_experts(experts: FusedMoE, block: tuple[int, int] | None) -> None:
         bn, bk = block
         if kind == "down":
             cols = target.shape[1]
-            _check_block_shape(loaded, (_cdiv(hidden, bn), _cdiv(size * tp.size, bk)), kind)
+            expected = (_cdiv(hidden, bn), _cdiv(size * tp.size, bk))
+            _check_block_shape(loaded, expected, f"expert {expert} {kind}")
             target.copy_(loaded.narrow(1, tp.rank * cols, cols))
         else:
             rows = size // bn
-            _check_block_shape(loaded, (size * tp.size // bn, _cdiv(hidden, bk)), kind)
+            expected = (size * tp.size // bn, _cdiv(hidden, bk))
+            _check_block_shape(loaded, expected, f"expert {expert} {kind}")
             offset = 0 if kind == "gate" else rows
             target.narrow(0, offset, rows).copy_(loaded.narrow(0, tp.rank * rows, rows))
 
