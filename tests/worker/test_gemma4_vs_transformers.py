@@ -227,3 +227,56 @@ def _teacher_forced_logprobs(runner: ModelRunner) -> torch.Tensor:
     for _ in FORCED:
         engine.step({"a": 1})
     return torch.stack(rows)
+
+
+def test_fp8_checkpoint_with_per_expert_tensors_equals_its_dequantised_twin(tmp_path):
+    """An FP8 Gemma 4 MoE checkpoint as llm-compressor writes it (compressed-tensors,
+    per-channel ``weight_scale``; attention, dense MLP and every expert in e4m3, the
+    experts one tensor each: ``experts.{e}.gate_proj.weight``) gives exactly the logprobs
+    of the fp32 checkpoint of its dequantised weights, written stacked as transformers
+    does (``experts.gate_up_proj``)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from .test_fp8_weights import FP8, LAYOUTS, LINEARS, _logprobs, _quantize
+
+    make_hf_model("gemma4_moe", tmp_path / "src")
+    layout = LAYOUTS["ct-channel"]
+    quantized, dequantized = {}, {}
+    for name, tensor in load_file(tmp_path / "src" / "model.safetensors").items():
+        prefix, _, last = name.rpartition(".")
+        if last in ("gate_up_proj", "down_proj") and prefix.endswith(".experts"):
+            inter = tensor.shape[1] // 2
+            parts = {"gate_proj": slice(0, inter), "up_proj": slice(inter, None)}
+            if last == "down_proj":
+                parts = {"down_proj": slice(None)}
+            stacked = []
+            for expert in range(tensor.shape[0]):
+                rows = []
+                for proj, part in parts.items():
+                    w_fp8, scale, deq = _quantize(tensor[expert, part], layout)
+                    quantized[f"{prefix}.{expert}.{proj}.weight"] = w_fp8
+                    quantized[f"{prefix}.{expert}.{proj}.weight_scale"] = scale
+                    rows.append(deq)
+                stacked.append(torch.cat(rows))
+            dequantized[name] = torch.stack(stacked)
+        elif last == "weight" and prefix.rpartition(".")[2] in LINEARS:
+            w_fp8, scale, dequantized[name] = _quantize(tensor, layout)
+            quantized[name], quantized[name + "_scale"] = w_fp8, scale
+        else:
+            quantized[name] = dequantized[name] = tensor
+    for directory, tensors in (("fp8", quantized), ("dequantised", dequantized)):
+        shutil.copytree(
+            tmp_path / "src", tmp_path / directory, ignore=shutil.ignore_patterns("*.safetensors")
+        )
+        save_file(tensors, tmp_path / directory / "model.safetensors")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "fp8" / "config.json").write_text(
+        json.dumps({**config, "quantization_config": layout})
+    )
+    fp8_logprobs, runner = _logprobs(tmp_path / "fp8")
+    assert torch.equal(fp8_logprobs, _logprobs(tmp_path / "dequantised")[0])
+    experts = runner.model.model.layers[0].experts
+    assert experts.w13_weight.dtype == FP8 and experts.w2_weight.dtype == FP8

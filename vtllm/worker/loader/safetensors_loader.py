@@ -122,13 +122,15 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> LoadStats:
         try:
             with torch.no_grad():
                 if shard_id is None:
-                    loader(param, tensor)
+                    filled = loader(param, tensor)
                 else:
-                    loader(param, tensor, shard_id)
+                    filled = loader(param, tensor, shard_id)
         except ValueError as e:
             problems.append(f"{checkpoint_name}: {e}")
             continue
-        loaded.add((param_name, shard_id))
+        # a loader that fills several shards from one tensor (Gemma 4's stacked experts)
+        # returns their ids; others return None
+        loaded.update((param_name, s) for s in (filled if filled is not None else [shard_id]))
     missing = sorted(f"{p}[{s}]" if s is not None else p for p, s in expected - loaded)
     if missing or unexpected or problems:
         parts = [f"checkpoint in {model_dir} does not match the model"]

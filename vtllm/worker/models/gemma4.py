@@ -64,7 +64,14 @@ from vtllm.worker.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
-from vtllm.worker.layers.moe import FusedMoE, Router, RouterSpec, select_experts
+from vtllm.worker.layers.moe import (
+    ExpertShardId,
+    FusedMoE,
+    Router,
+    RouterSpec,
+    expert_checkpoint_name,
+    select_experts,
+)
 from vtllm.worker.layers.norm import Gemma4RMSNorm, ScalelessRMSNorm
 from vtllm.worker.layers.rotary import RotaryEmbedding, rope_parameters
 from vtllm.worker.models.llama import (
@@ -88,6 +95,8 @@ _NON_TEXT_PREFIXES = (
 _STACKED_EXPERTS = re.compile(
     r"^(?P<prefix>model\.layers\.\d+\.experts)\.(?P<proj>gate_up_proj|down_proj)$"
 )
+# one expert's projections, as FP8 exports (llm-compressor, vLLM's layout) write them
+_EXPERT_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _SHARED_KV_TENSOR = re.compile(
     r"^model\.layers\.(?P<layer>\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\."
 )
@@ -413,29 +422,41 @@ class Gemma4Router(nn.Module):
 
 
 class StackedExperts(FusedMoE):
-    """``FusedMoE`` filled from stacked checkpoint tensors: ``experts.gate_up_proj``
+    """``FusedMoE`` that also loads stacked checkpoint tensors: ``experts.gate_up_proj``
     ``[E, 2I, H]`` (gate rows, then up rows) and ``experts.down_proj`` ``[E, H, I]``, each
-    loaded whole (shard id ``"stacked"``) and split per expert and rank."""
+    loaded whole (shard id ``"stacked"``) and split per expert and rank. Per-expert tensors
+    (``experts.{e}.gate_proj.weight`` and FP8 scales, as FP8 exports write them) load as in
+    ``FusedMoE``."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, tp: TPGroup, act: str) -> None:
-        super().__init__(num_experts, hidden, inter, tp, act)
-        for param in (self.w13_weight, self.w2_weight):
-            param.shard_ids = ["stacked"]
-            param.weight_loader = self.load_stacked
-
-    def load_stacked(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ExpertShardId | str
+    ) -> list[ExpertShardId] | None:
+        """Per-expert shard ids: ``FusedMoE``'s; ``"stacked"``: every expert's, returned
+        (the shards this one tensor filled)."""
+        if shard_id != "stacked":
+            return super().weight_loader(param, loaded, shard_id)
         if loaded.dim() != 3 or loaded.shape[0] != self.num_experts:
             raise ValueError(
                 f"stacked experts: checkpoint shape {tuple(loaded.shape)}, expected "
                 f"{self.num_experts} experts first"
             )
+        if param.dtype != loaded.dtype and param.element_size() == 1:
+            raise ValueError(
+                f"stacked {loaded.dtype} experts in a checkpoint whose quantization_config "
+                "makes the experts FP8: vtllm reads FP8 Gemma 4 experts per expert "
+                "(experts.{e}.gate_proj.weight with its weight_scale)"
+            )
         full = self.local_size * self.tp.size
+        filled: list[ExpertShardId] = []
         for expert in range(self.num_experts):
             if param is self.w2_weight:
-                self.weight_loader(param, loaded[expert], (expert, "down"))
+                parts = [("down", loaded[expert])]
             else:
-                self.weight_loader(param, loaded[expert, :full], (expert, "gate"))
-                self.weight_loader(param, loaded[expert, full:], (expert, "up"))
+                parts = [("gate", loaded[expert, :full]), ("up", loaded[expert, full:])]
+            for kind, part in parts:
+                super().weight_loader(param, part, (expert, kind))
+                filled.append((expert, kind))
+        return filled
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -606,6 +627,9 @@ class Gemma4ForCausalLM(nn.Module):
         if match is not None:
             param = "w13_weight" if match["proj"] == "gate_up_proj" else "w2_weight"
             return f"{match['prefix']}.{param}", "stacked"
+        expert = expert_checkpoint_name(name, _EXPERT_PROJECTIONS)
+        if expert is not None:
+            return expert
         for checkpoint_part, (param_part, shard_id) in self.packed_modules_mapping.items():
             marker = f".{checkpoint_part}."
             if marker in name:
