@@ -280,3 +280,42 @@ def test_fp8_checkpoint_with_per_expert_tensors_equals_its_dequantised_twin(tmp_
     assert torch.equal(fp8_logprobs, _logprobs(tmp_path / "dequantised")[0])
     experts = runner.model.model.layers[0].experts
     assert experts.w13_weight.dtype == FP8 and experts.w2_weight.dtype == FP8
+
+
+def test_fp8_checkpoint_with_unquantised_stacked_experts(tmp_path):
+    """An FP8 checkpoint whose exporter quantised only the ``nn.Linear`` modules (the
+    stacked 3-D experts stay in the original dtype, as in the FP8-dynamic Gemma 4 26B
+    exports): it loads, its experts are quantised per row at load, and it gives the
+    logprobs of its dequantised twin served with ``--quantization fp8`` (within 1e-4:
+    re-quantising a dequantised row may move its scale by one ulp)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from .test_fp8_weights import FP8, LAYOUTS, LINEARS, _logprobs, _quantize
+
+    make_hf_model("gemma4_moe", tmp_path / "src")
+    layout = LAYOUTS["ct-channel"]
+    quantized, dequantized = {}, {}
+    for name, tensor in load_file(tmp_path / "src" / "model.safetensors").items():
+        prefix, _, last = name.rpartition(".")
+        if last == "weight" and prefix.rpartition(".")[2] in LINEARS:
+            w_fp8, scale, dequantized[name] = _quantize(tensor, layout)
+            quantized[name], quantized[name + "_scale"] = w_fp8, scale
+        else:
+            quantized[name] = dequantized[name] = tensor
+    for directory, tensors in (("fp8", quantized), ("dequantised", dequantized)):
+        shutil.copytree(
+            tmp_path / "src", tmp_path / directory, ignore=shutil.ignore_patterns("*.safetensors")
+        )
+        save_file(tensors, tmp_path / directory / "model.safetensors")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "fp8" / "config.json").write_text(
+        json.dumps({**config, "quantization_config": layout})
+    )
+    fp8_logprobs, runner = _logprobs(tmp_path / "fp8")
+    twin_logprobs, _ = _logprobs(tmp_path / "dequantised", quantization="fp8")
+    torch.testing.assert_close(fp8_logprobs, twin_logprobs, atol=1e-4, rtol=0)
+    experts = runner.model.model.layers[0].experts
+    assert experts.w13_weight.dtype == FP8 and experts.w2_weight_scale.shape == (8, 64)

@@ -89,7 +89,6 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> LoadStats:
     # (name) -> (parameter name, shard id) | None: names the packed mapping cannot express
     # (one tensor per MoE expert); None falls back to the packed mapping
     map_name = getattr(model, "map_checkpoint_name", lambda name: None)
-    expected = _expected_shards(model, params)
     loaded: set[tuple[str, str | int | None]] = set()
     unexpected: list[str] = []
     problems: list[str] = []
@@ -131,6 +130,9 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> LoadStats:
         # a loader that fills several shards from one tensor (Gemma 4's stacked experts)
         # returns their ids; others return None
         loaded.update((param_name, s) for s in (filled if filled is not None else [shard_id]))
+    # from the parameters as loading left them: a loader may swap its parameter for another
+    # (Gemma 4's experts drop FP8 scales when the checkpoint stores them unquantised)
+    expected = _expected_shards(model, dict(model.named_parameters()))
     missing = sorted(f"{p}[{s}]" if s is not None else p for p, s in expected - loaded)
     if missing or unexpected or problems:
         parts = [f"checkpoint in {model_dir} does not match the model"]

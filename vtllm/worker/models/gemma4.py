@@ -440,12 +440,8 @@ class StackedExperts(FusedMoE):
                 f"stacked experts: checkpoint shape {tuple(loaded.shape)}, expected "
                 f"{self.num_experts} experts first"
             )
-        if param.dtype != loaded.dtype and param.element_size() == 1:
-            raise ValueError(
-                f"stacked {loaded.dtype} experts in a checkpoint whose quantization_config "
-                "makes the experts FP8: vtllm reads FP8 Gemma 4 experts per expert "
-                "(experts.{e}.gate_proj.weight with its weight_scale)"
-            )
+        if param.element_size() == 1 and loaded.element_size() > 1:
+            param = self._unquantized(param, loaded.dtype)
         full = self.local_size * self.tp.size
         filled: list[ExpertShardId] = []
         for expert in range(self.num_experts):
@@ -457,6 +453,21 @@ class StackedExperts(FusedMoE):
                 super().weight_loader(param, part, (expert, kind))
                 filled.append((expert, kind))
         return filled
+
+    def _unquantized(self, param: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:
+        """An FP8 checkpoint that leaves the stacked experts unquantised (exporters that
+        quantise only ``nn.Linear`` modules skip Gemma 4's 3-D expert tensors): this
+        parameter goes back to ``dtype`` and loses its checkpoint scales, so that
+        ``layers/fp8.finish_fp8`` quantises it per row after loading, as under
+        ``--quantization fp8``."""
+        prefix = "w2_" if param is self.w2_weight else "w13_"
+        fresh = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=param.device), False)
+        fresh.shard_ids, fresh.weight_loader = param.shard_ids, param.weight_loader
+        setattr(self, f"{prefix}weight", fresh)
+        for suffix in ("weight_scale", "weight_scale_inv"):
+            if hasattr(self, prefix + suffix):
+                delattr(self, prefix + suffix)
+        return fresh
 
 
 class Gemma4DecoderLayer(nn.Module):
