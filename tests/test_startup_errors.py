@@ -131,3 +131,21 @@ def test_taken_port_reported_within_a_second():
         result, elapsed = run_cli("serve", "--port", str(port))
     assert f"port {port} on 127.0.0.1 is already in use" in assert_one_line_exit_2(result)
     assert elapsed < 2.0, f"{elapsed:.2f}s (interpreter start included; loading takes far longer)"
+
+
+def test_api_server_sockets_share_one_port_and_refuse_a_taken_one():
+    from vtllm.startup import bind_http_sockets
+
+    sockets = bind_http_sockets("127.0.0.1", 0, 3)  # port 0: the system's choice, for all
+    try:
+        ports = {s.getsockname()[1] for s in sockets}
+        assert len(sockets) == 3 and len(ports) == 1
+        assert all(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) for s in sockets)
+        for s in sockets:
+            s.listen()
+        # a server that shares its port is still "in use" for another vtllm serve
+        with pytest.raises(StartupError, match="already in use"):
+            bind_http_sockets("127.0.0.1", ports.pop(), 2)
+    finally:
+        for s in sockets:
+            s.close()
