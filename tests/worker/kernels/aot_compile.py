@@ -104,6 +104,14 @@ VARIANTS = [
         dict(_ATTENTION, HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=4, BLOCK_M=64, BLOCK_Q=16)
         | dict(TILE_N=32, BLOCK_SIZE=16),
     ),
+    Variant(  # Gemma 4's full layers: head_dim 512, 16 query heads on 2 KV heads
+        "paged_attention/prefill-bf16-d512-gqa8",
+        paged_attention._paged_attention_kernel,
+        "bf16",
+        dict(_ATTENTION, HEAD_DIM=512, HEAD_DIM_PAD=512, GROUP_SIZE=8, BLOCK_M=64, BLOCK_Q=8)
+        | dict(TILE_N=32, BLOCK_SIZE=16),
+        num_warps=8,
+    ),
     Variant(
         "paged_attention/decode-split-fp16-d80-window",
         paged_attention._paged_attention_kernel,
