@@ -23,9 +23,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from vtllm.protocol import messages as m
 
@@ -57,6 +60,25 @@ def token_buckets(max_value: int) -> list[float]:
                 return buckets
             buckets.append(float(value))
         exponent += 1
+
+
+class HistogramAlias(Collector):
+    """A histogram's series served a second time under another name, from the same
+    observations (vLLM keeps older names beside the new ones): one observe per event
+    instead of one per name, which matters for a per-token histogram."""
+
+    def __init__(self, source: Histogram, name: str, documentation: str) -> None:
+        self._source = source
+        self._name = name
+        self._documentation = documentation
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._source.collect():
+            alias = Metric(self._name, self._documentation, family.type)
+            for sample in family.samples:
+                suffix = sample.name[len(family.name) :]  # _bucket, _count, _sum, _created
+                alias.samples.append(sample._replace(name=self._name + suffix))
+            yield alias
 
 
 @dataclass
@@ -174,15 +196,21 @@ class FrontendMetrics:
             "Arrival at the frontend to the first generated token.",
             _LATENCY_BUCKETS,
         )
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds",
+        inter_token_latency = Histogram(
+            f"{prefix}:inter_token_latency_seconds",
             "Time between successive token deliveries of a request.",
-            _ITL_BUCKETS,
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=reg,
         )
-        self.time_per_output_token = histogram(
-            "time_per_output_token_seconds",
-            "Same observations as inter_token_latency_seconds (vLLM's older name).",
-            _ITL_BUCKETS,
+        self.inter_token_latency = inter_token_latency.labels(model_name)
+        # observed once per token, served under both names
+        reg.register(
+            HistogramAlias(
+                inter_token_latency,
+                f"{prefix}:time_per_output_token_seconds",
+                "Same observations as inter_token_latency_seconds (vLLM's older name).",
+            )
         )
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds",
@@ -340,7 +368,6 @@ class FrontendMetrics:
         else:
             assert times.last_token is not None
             self.inter_token_latency.observe(now - times.last_token)
-            self.time_per_output_token.observe(now - times.last_token)
         times.last_token = now
         times.num_generation_tokens += num_new
         self.num_generation_tokens += num_new  # generation_tokens: once per batch (on_outputs)
