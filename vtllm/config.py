@@ -136,8 +136,11 @@ class ModelConfig:
         "fp8 e4m3 with per-tensor weight_scale or 128x128 weight_scale_inv blocks, "
         "compressed-tensors fp8), else none. fp8: quantise a bf16/fp32 checkpoint (or "
         "dummy weights) to e4m3 at load, one scale per output channel; activations get "
-        "per-token scales at run time.",
-        choices=("fp8",),
+        "per-token scales at run time. On CPUs: unset = int4 on a CPU with native bf16 "
+        "when the model is a 4-bit GGUF such as the embedded SmolLM2; int8 (per-channel) "
+        "/ int4 (groups of 32): weight-only formats for decode steps (prefill chunks use "
+        "the weights as loaded); none: the weights as loaded.",
+        choices=("fp8", "none", "int8", "int4"),
     )
 
     enforce_eager: bool = _opt(
@@ -437,9 +440,10 @@ class VtllmConfig:
         ):
             if value < 1:
                 problems.append(f"{flag} must be >= 1, got {value}")
-        if self.model.quantization not in (None, "fp8"):
+        if self.model.quantization not in (None, "fp8", "none", "int8", "int4"):
             problems.append(
-                f"--quantization {self.model.quantization!r} is not supported; supported: fp8"
+                f"--quantization {self.model.quantization!r} is not supported; supported: "
+                "fp8, and on CPUs none, int8, int4"
             )
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             problems.append(f"--max-model-len must be >= 1, got {self.model.max_model_len}")

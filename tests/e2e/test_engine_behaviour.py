@@ -19,7 +19,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tiny_kv_server(smollm2_dir, vt_cache_dir):
-    with ServerProcess("--kv-cache-memory", "8MiB", cache_dir=vt_cache_dir).serving() as srv:
+    # --quantization none: a preempted request prefills what it had decoded, and the CPU
+    # int4 default decodes through other weights than it prefills (not batch-invariant)
+    with ServerProcess(
+        "--quantization", "none", "--kv-cache-memory", "8MiB", cache_dir=vt_cache_dir
+    ).serving() as srv:
         yield srv
 
 

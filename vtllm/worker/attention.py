@@ -13,9 +13,11 @@ This file holds the plain-torch reference (``paged_attention_ref``), used on CPU
 the oracle for the Triton kernels that will sit behind ``paged_attention``.
 
 Batching: requests are split into a decode group (one query token each) and a prefill
-group (chunks, possibly continuing a cached prefix); each group is padded to its longest
-query and attended with one ``scaled_dot_product_attention`` call, so there is no Python
-loop over requests or tokens.
+group (chunks, possibly continuing a cached prefix). The decodes are one padded batch, one
+``scaled_dot_product_attention`` call per layer. Each prefill chunk is attended on its own
+(a step holds few of them) over exactly its own keys, gathered from its blocks: a first
+chunk is plain causal attention (no mask), a later one takes a ``[q_len, seq_len]`` mask
+built once per step; nothing grows with the padded batch (``q_len x max keys x requests``).
 
 Sliding window ``w`` (Mistral, Gemma 3 local layers): the query at position ``p`` sees only
 keys ``p - w + 1 .. p``. Keys further back stay in the cache (no block is freed for a
@@ -36,33 +38,69 @@ from vtllm.worker.kv_cache_dtype import is_fp8
 
 @dataclass
 class AttentionGroup:
-    """Requests attended together as one padded batch.
+    """Requests attended together by the torch reference.
 
-    ``token_idx`` are the group's tokens in the flat step order; ``padded_idx`` their
-    places in the padded ``[num_reqs * max_query_len]`` layout.
+    Decode group (every query length 1): one padded batch, keys gathered up to the longest
+    sequence, the padding masked. Prefill group: one request at a time, each chunk over
+    exactly its own keys (no padding, and no mask at all for a first chunk: plain causal).
+    ``token_starts[r]`` is request ``r``'s first token in the flat step order.
     """
 
     num_reqs: int
     max_query_len: int
     token_idx: torch.Tensor  # [num_group_tokens] int64
-    padded_idx: torch.Tensor  # [num_group_tokens] int64
     block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int64 (0-padded)
-    mask: torch.Tensor  # [num_reqs, 1, max_query_len, max_num_blocks * block_size] bool
-    query_pos: torch.Tensor  # [num_reqs, max_query_len] int64 position of each query row
-    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    block_size: int
+    query_lens: list[int]
+    seq_lens: list[int]
+    token_starts: list[int]
+    _masks: dict[tuple, torch.Tensor | None] = field(default_factory=dict)
 
-    def window_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """``mask`` with keys at position ``<= query_pos - sliding_window`` also hidden
-        (built once per window size per step, then shared by the layers that use it)."""
-        if not sliding_window:
-            return self.mask
-        mask = self._window_masks.get(sliding_window)
-        if mask is None:
-            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
-            in_window = key_pos[None, None, :] > self.query_pos[:, :, None] - sliding_window
-            mask = self.mask & in_window.unsqueeze(1)
-            self._window_masks[sliding_window] = mask
-        return mask
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+    def decode_mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """``[num_reqs, 1, 1, num_keys]`` additive mask hiding the padding keys past each
+        sequence (and, with a window, keys ``<= pos - window``); None when nothing needs
+        hiding. Built once per step per window and dtype, shared by the layers."""
+        key = ("decode", sliding_window, dtype)
+        if key not in self._masks:
+            num_keys = self.block_tables.shape[1] * self.block_size
+            seq_lens = torch.tensor(self.seq_lens, device=self.token_idx.device)[:, None]
+            key_pos = torch.arange(num_keys, device=seq_lens.device)[None, :]
+            hidden = key_pos >= seq_lens
+            if sliding_window:
+                hidden |= key_pos <= seq_lens - 1 - sliding_window
+            self._masks[key] = _additive(hidden, dtype)[:, None, None, :] if hidden.any() else None
+        return self._masks[key]
+
+    def chunk_mask(
+        self, r: int, sliding_window: int | None, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """``[q_len, seq_len]`` additive mask of prefill request ``r``: query ``i`` (at
+        position ``seq_len - q_len + i``) sees keys up to its position, within the window.
+        None for a first chunk without a window (plain causal attention serves it)."""
+        q_len, seq_len = self.query_lens[r], self.seq_lens[r]
+        if seq_len == q_len and not sliding_window:
+            return None
+        key = (r, sliding_window, dtype)
+        if key not in self._masks:
+            device = self.token_idx.device
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+            key_pos = torch.arange(seq_len, device=device)[None, :]
+            hidden = key_pos > query_pos
+            if sliding_window:
+                hidden |= key_pos <= query_pos - sliding_window
+            self._masks[key] = _additive(hidden, dtype)
+        return self._masks[key]
+
+
+def _additive(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where visible, -inf where hidden (SDPA's CPU flash kernel takes it as is)."""
+    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(
+        hidden, float("-inf")
+    )
 
 
 @dataclass
@@ -173,34 +211,21 @@ def _build_group(
 ) -> AttentionGroup:
     q_lens = query_lens[reqs]
     s_lens = seq_lens[reqs]
-    max_q = int(q_lens.max())
     max_blocks = int(-(-s_lens.max() // block_size))
     tables = np.zeros((len(reqs), max_blocks), dtype=np.int64)
     for row, r in enumerate(reqs):
         needed = -(-seq_lens[r] // block_size)
         tables[row, :needed] = block_tables[r][:needed]
     token_idx = np.concatenate([np.arange(starts[r], starts[r] + query_lens[r]) for r in reqs])
-    padded_idx = np.concatenate([row * max_q + np.arange(q) for row, q in enumerate(q_lens)])
-    # query i of a request sits at position seq_len - q_len + i and sees keys 0..position;
-    # padded query rows sit past seq_len and see all real keys (never an empty row).
-    key_pos = torch.arange(max_blocks * block_size, device=device)
-    query_pos = (
-        torch.from_numpy(s_lens - q_lens).to(device)[:, None]
-        + torch.arange(max_q, device=device)[None, :]
-    )  # [num_reqs, max_q]
-    s_lens_t = torch.from_numpy(s_lens).to(device)
-    mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (
-        key_pos[None, None, :] < s_lens_t[:, None, None]
-    )
     return AttentionGroup(
         num_reqs=len(reqs),
-        max_query_len=max_q,
+        max_query_len=int(q_lens.max()),
         token_idx=torch.from_numpy(token_idx).to(device),
-        padded_idx=torch.from_numpy(padded_idx).to(device),
         block_tables=torch.from_numpy(tables).to(device),
-        mask=mask.unsqueeze(1),
-        # padded rows get the last real position, so a window never empties them either
-        query_pos=torch.minimum(query_pos, s_lens_t[:, None] - 1),
+        block_size=block_size,
+        query_lens=q_lens.tolist(),
+        seq_lens=s_lens.tolist(),
+        token_starts=starts[reqs].tolist(),
     )
 
 
@@ -245,43 +270,81 @@ def paged_attention_ref(
     ``sliding_window`` the query at position ``p`` sees keys ``p - sliding_window + 1 .. p``.
     Returns ``[num_tokens, num_heads, head_dim]``.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group_size = num_heads // num_kv_heads
     out = torch.empty_like(q)
     for g in metadata.groups:
-        num_reqs, max_q = g.num_reqs, g.max_query_len
-        q_pad = q.new_zeros(num_reqs * max_q, num_heads, head_dim)
-        q_pad.index_copy_(0, g.padded_idx, q.index_select(0, g.token_idx))
-        # fold the query heads that share a KV head into the query-length axis:
-        # [R, Lq, KVH, G, D] -> [R, KVH, Lq * G, D]
-        q_pad = (
-            q_pad.view(num_reqs, max_q, num_kv_heads, group_size, head_dim)
-            .permute(0, 2, 1, 3, 4)
-            .reshape(num_reqs, num_kv_heads, max_q * group_size, head_dim)
-        )
-        k = _gather_blocks(k_cache, g.block_tables)  # [R, KVH, Lk, D]
-        v = _gather_blocks(v_cache, g.block_tables)
-        num_keys = k.shape[2]
-        mask = g.window_mask(sliding_window)
-        if group_size > 1:
-            mask = mask.unsqueeze(3).expand(num_reqs, 1, max_q, group_size, num_keys)
-            mask = mask.reshape(num_reqs, 1, max_q * group_size, num_keys)
-        o = F.scaled_dot_product_attention(q_pad, k.to(q.dtype), v.to(q.dtype), mask, scale=scale)
-        o = (
-            o.view(num_reqs, num_kv_heads, max_q, group_size, head_dim)
-            .permute(0, 2, 1, 3, 4)
-            .reshape(num_reqs * max_q, num_heads, head_dim)
-        )
-        out.index_copy_(0, g.token_idx, o.index_select(0, g.padded_idx))
+        if g.is_decode:
+            o = _attend_decodes(
+                q.index_select(0, g.token_idx), k_cache, v_cache, g, scale, sliding_window
+            )
+            out.index_copy_(0, g.token_idx, o)
+            continue
+        for r in range(g.num_reqs):
+            start, q_len = g.token_starts[r], g.query_lens[r]
+            out[start : start + q_len] = _attend_chunk(
+                q[start : start + q_len], k_cache, v_cache, g, r, scale, sliding_window
+            )
     return out
 
 
+def _attend_decodes(
+    q: torch.Tensor,  # [num_reqs, num_heads, head_dim]: one query token per request
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    g: AttentionGroup,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One padded batch: the query heads sharing a KV head take the query-length axis,
+    ``[R, H, D] -> [R, KVH, G, D]``, against keys ``[R, KVH, nb * bs, D]``."""
+    num_reqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    k = _gather_blocks(k_cache, g.block_tables)  # [R, KVH, Lk, D]
+    v = _gather_blocks(v_cache, g.block_tables)
+    if num_reqs == 1 and not sliding_window:  # keys past the sequence cut off, no mask
+        k, v, mask = k[:, :, : g.seq_lens[0]], v[:, :, : g.seq_lens[0]], None
+    else:
+        mask = g.decode_mask(sliding_window, q.dtype)  # [R, 1, 1, Lk] or None
+    q = q.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), mask, scale=scale)
+    return o.reshape(num_reqs, num_heads, head_dim)
+
+
+def _attend_chunk(
+    q: torch.Tensor,  # [q_len, num_heads, head_dim]: request r's chunk
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    g: AttentionGroup,
+    r: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Request ``r``'s prefill chunk over exactly its ``seq_len`` keys (gathered from its
+    blocks): causal when the chunk is the whole sequence, else with ``chunk_mask``."""
+    seq_len = g.seq_lens[r]
+    table = g.block_tables[r, : -(-seq_len // g.block_size)]
+    k = _gather_blocks(k_cache, table[None])[:, :, :seq_len]  # [1, KVH, seq_len, D]
+    v = _gather_blocks(v_cache, table[None])[:, :, :seq_len]
+    mask = g.chunk_mask(r, sliding_window, q.dtype)  # [q_len, seq_len] or None
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, H, q_len, D]
+        k.to(q.dtype),
+        v.to(q.dtype),
+        mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)  # [q_len, H, D]
+
+
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """``[num_blocks, bs, KVH, D]`` by ``[R, nb]`` tables → ``[R, KVH, nb * bs, D]``."""
+    """``[num_blocks, bs, KVH, D]`` by ``[R, nb]`` tables → ``[R, KVH, nb * bs, D]`` (a
+    transposed view of one copy of the blocks)."""
     num_reqs, num_blocks = block_tables.shape
     _, block_size, num_kv_heads, head_dim = cache.shape
-    gathered = cache[block_tables]  # [R, nb, bs, KVH, D]
+    # whole blocks as rows of a 2-D view: a row copy each (4-D index_select is slower)
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_tables.reshape(-1))
+    gathered = rows.view(num_reqs * num_blocks, block_size, num_kv_heads, head_dim)
     return gathered.view(num_reqs, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 

@@ -26,6 +26,8 @@ from vtllm.worker.distributed import TPGroup
 from vtllm.worker.grammar import GrammarCompilerService, StructuredOutputs
 from vtllm.worker.input_batch import RequestStates, StepBatch
 from vtllm.worker.layers.fp8 import finish_fp8, prepare_fp8_checkpoint
+from vtllm.worker.layers.cpu_quant import QUANTIZATIONS as CPU_QUANTIZATIONS
+from vtllm.worker.layers.cpu_quant import quantize_for_cpu
 from vtllm.worker.loader.hf_config import eos_token_ids as read_eos_token_ids
 from vtllm.worker.loader.hf_config import load_hf_config
 from vtllm.worker.loader.host_memory import HostPeak, HostPeakWindow
@@ -94,6 +96,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         quantization: str | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        cpu_quantization: str = "none",
     ) -> ModelRunner:
         """Build the model from ``config.json`` and load its safetensors (``load_format``
         ``dummy``: random weights instead, seeded by ``seed``); rank 0 drives.
@@ -102,7 +105,8 @@ class ModelRunner:
         (``--quantization``; None: the checkpoint's own) makes the linears and experts FP8
         (``layers/fp8.py``); ValueError for a method or checkpoint format not supported.
         The runner records the host RSS peak over building and loading
-        (``load_host_peak``)."""
+        (``load_host_peak``). ``cpu_quantization`` "int8" / "int4": the CPU weight-only
+        formats of ``layers/cpu_quant.py``."""
         tp = tp or TPGroup()
         hf_config = load_hf_config(model_dir)
         if max_model_len and max_model_len > hf_config.get("max_position_embeddings", 0):
@@ -119,6 +123,9 @@ class ModelRunner:
             stats = load_safetensors(model, model_dir)
         if quant is not None:
             finish_fp8(model, quant, platform_of(device))
+        if cpu_quantization in CPU_QUANTIZATIONS:
+            counts = quantize_for_cpu(model, cpu_quantization)
+            logger.info("quantised for the CPU: %s", counts)
         host_peak = host_window.close()
         eos_ids = read_eos_token_ids(model_dir, hf_config)
         vocab_size = hf_config["vocab_size"]

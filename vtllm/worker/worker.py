@@ -42,6 +42,7 @@ from vtllm.worker.decode_graphs import capture_sizes
 from vtllm.worker.distributed import destroy_distributed, init_distributed
 from vtllm.worker.heartbeat import HeartbeatSender
 from vtllm.worker.kv_cache_dtype import describe_kv_scales, is_fp8, resolve_kv_cache_dtype
+from vtllm.worker.layers.cpu_quant import choose_quantization, native_bf16_cpu
 from vtllm.worker.loader.hf_config import load_hf_config, model_facts
 from vtllm.worker.loader.quant_config import resolve_quantization
 from vtllm.worker.memory_budget import memory_budget
@@ -116,8 +117,13 @@ def _serve(
         config.cache.kv_cache_dtype, dtype, platform, attention_backend(platform.device)
     )
     hf_config = load_hf_config(model_dir)
+    # --quantization fp8 (or unset: the checkpoint's own) for FP8; none/int8/int4 and the
+    # unset default on CPUs for the weight-only formats of layers/cpu_quant.py
+    requested = config.model.quantization
+    fp8_quantization = requested if requested in (None, "fp8") else None
+    cpu_quantization = choose_quantization(requested, platform.is_gpu, hf_config, native_bf16_cpu())
     started = time.monotonic()
-    logger.info("loading %s (%s) ...", model_dir, dtype)
+    logger.info("loading %s (%s, CPU quantization %s) ...", model_dir, dtype, cpu_quantization)
     runner = ModelRunner.from_model_dir(
         model_dir,
         platform.device,
@@ -126,10 +132,11 @@ def _serve(
         tp,
         config.model.load_format,
         config.model.max_model_len,
-        config.model.quantization,
+        fp8_quantization,
         kv_dtype,
+        cpu_quantization,
     )
-    quant = resolve_quantization(hf_config, config.model.quantization)
+    quant = resolve_quantization(hf_config, fp8_quantization)
     logger.info(
         "loaded %s (%s) in %.1fs; weights %s",
         model_dir,

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vtllm.worker.distributed import TPGroup
+from vtllm.worker.layers.linear import LinearMethod
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -46,9 +47,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Hidden states → full-vocab logits (gathered on every rank)."""
+    """Hidden states → full-vocab logits (gathered on every rank). ``linear_method``: a
+    quantised product (``layers/cpu_quant.py``), as on the linear layers."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__(vocab_size, hidden_size, tp)
+        self.linear_method: LinearMethod | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [num_rows, rows_per_rank]
+        if self.linear_method is None:
+            logits = F.linear(hidden, self.weight)  # [num_rows, rows_per_rank]
+        else:
+            logits = self.linear_method.apply(self, hidden)
         logits = self.tp.all_gather_last_dim(logits)  # [num_rows, padded_vocab]
         return logits[:, : self.vocab_size]

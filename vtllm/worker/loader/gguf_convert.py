@@ -176,6 +176,15 @@ def convert_gguf_to_hf_dir(
         if num_written % report_every == 0 or num_written == num_tensors:
             report(f"converting {gguf_path.name}: {num_written}/{num_tensors} tensors")
 
+    # The GGUF's own precision of the linear weights (e.g. ["Q4_1"]): ``--quantization auto``
+    # serves a 4-bit GGUF in int4 on CPUs (``worker/layers/cpu_quant.py``).
+    config["vtllm_gguf_linear_types"] = sorted(
+        {
+            gguf_tensors[g].tensor_type.name
+            for h, g in hf_to_gguf.items()
+            if h.endswith("proj.weight")
+        }
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     report(
         f"converting {gguf_path.name} ({architecture}, {num_tensors} tensors) to bf16 safetensors"
