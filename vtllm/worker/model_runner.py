@@ -25,9 +25,9 @@ from vtllm.worker.decode_graphs import DecodeGraphs, capture_sizes
 from vtllm.worker.distributed import TPGroup
 from vtllm.worker.grammar import GrammarCompilerService, StructuredOutputs
 from vtllm.worker.input_batch import RequestStates, StepBatch
-from vtllm.worker.layers.fp8 import finish_fp8, prepare_fp8_checkpoint
 from vtllm.worker.layers.cpu_quant import QUANTIZATIONS as CPU_QUANTIZATIONS
 from vtllm.worker.layers.cpu_quant import quantize_for_cpu
+from vtllm.worker.layers.fp8 import finish_fp8, prepare_fp8_checkpoint
 from vtllm.worker.loader.hf_config import eos_token_ids as read_eos_token_ids
 from vtllm.worker.loader.hf_config import load_hf_config
 from vtllm.worker.loader.host_memory import HostPeak, HostPeakWindow
