@@ -133,8 +133,9 @@ def check_model_config(
             f"{model_dir}: architecture {architectures[0]!r} is not supported; vtllm serves "
             + ", ".join(SUPPORTED_ARCHITECTURES)
         )
+    fp8_request = quantization if quantization in (None, "fp8") else None  # else CPU formats
     try:
-        resolve_quantization(hf_config, quantization)
+        resolve_quantization(hf_config, fp8_request)
     except ValueError as e:
         raise StartupError(f"{model_dir}: {e}") from None
     context = model_context_len(hf_config)
