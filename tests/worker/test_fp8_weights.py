@@ -30,6 +30,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from vtllm.protocol.messages import ModelRunnerOutput, SamplingParams
+from vtllm.worker.layers.cpu_quant import choose_quantization
 from vtllm.worker.loader.quant_config import resolve_quantization
 from vtllm.worker.model_runner import ModelRunner
 
@@ -274,5 +275,8 @@ def test_quantization_flag_and_checkpoint_refusals_before_start(capsys):
     awq = {"architectures": ["Qwen3ForCausalLM"], "quantization_config": {"quant_method": "awq"}}
     with pytest.raises(StartupError, match="m: checkpoint quantization 'awq' is not supported"):
         check_model_config(awq, "m", None)
-    with pytest.raises(StartupError, match="--quantization 'int8' is not supported"):
-        check_model_config({"architectures": ["Qwen3ForCausalLM"]}, "m", None, "int8")
+    # int8/int4 are CPU weight-only formats: the start-up check lets them through (the
+    # worker serves them on a CPU and refuses them on a GPU, layers/cpu_quant.py)
+    check_model_config({"architectures": ["Qwen3ForCausalLM"]}, "m", None, "int8")
+    with pytest.raises(ValueError, match="--quantization int8 is a CPU format; on a GPU use fp8"):
+        choose_quantization("int8", True, {}, True)
