@@ -243,8 +243,8 @@ def test_losing_a_conversion_race_uses_the_winners_dir(
     gguf_path = tmp_path / "tiny.gguf"
     gguf_path.write_bytes(b"not really a gguf")
     cache_dir = tmp_path / "cache"
-    digest = gguf_convert._sha256_of_file(gguf_path)[:16]
-    winner_dir = cache_dir / "models" / f"tiny-{digest}"
+    digest = gguf_convert._sha256_of_file(gguf_path)
+    winner_dir = cache_dir / "models" / gguf_convert.converted_dir_name("tiny", digest)
 
     def convert_while_another_process_wins(source: Path, out_dir: Path, progress=None) -> Path:
         # The other converter renames its complete directory into place first.

