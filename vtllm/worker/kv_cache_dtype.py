@@ -103,6 +103,13 @@ def kv_bytes_per_token(
     return 2 * num_layers * num_kv_heads * head_dim * element_bytes
 
 
+def register_kv_scales(attention: torch.nn.Module) -> None:
+    """Give an attention layer its per-layer FP8 KV-cache scales ``k_scale`` / ``v_scale``:
+    1.0 until the checkpoint's are loaded; unused by bf16/fp16/fp32 caches."""
+    attention.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+    attention.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
+
+
 def kv_scale_buffers(checkpoint_name: str) -> list[str]:
     """The attention buffers (``model.layers.3.self_attn.k_scale``) a checkpoint tensor
     of per-layer KV scales fills; [] when the name is not a KV scale."""

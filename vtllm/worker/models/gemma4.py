@@ -58,6 +58,7 @@ from torch import nn
 
 from vtllm.worker.attention import AttentionMetadata, paged_attention, write_kv_cache
 from vtllm.worker.distributed import TPGroup, divide
+from vtllm.worker.kv_cache_dtype import register_kv_scales
 from vtllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vtllm.worker.layers.linear import (
     ColumnParallelLinear,
@@ -348,10 +349,8 @@ class Gemma4Attention(nn.Module):
         if self.owns_kv:
             self.k_norm = Gemma4RMSNorm(head_dim, eps)
             self.v_norm = ScalelessRMSNorm(head_dim, eps)
-        # per-layer FP8 KV-cache scales (kv_cache_dtype.py), as LlamaAttention; a KV-sharing
-        # layer reads with its source layer's (Gemma4ForCausalLM ties them)
-        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
-        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        # a KV-sharing layer reads with its source layer's scales (Gemma4ForCausalLM ties them)
+        register_kv_scales(self)
 
     def forward(
         self,

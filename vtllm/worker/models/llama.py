@@ -23,6 +23,7 @@ from torch import nn
 
 from vtllm.worker.attention import AttentionMetadata, paged_attention, write_kv_cache
 from vtllm.worker.distributed import TPGroup, divide
+from vtllm.worker.kv_cache_dtype import register_kv_scales
 from vtllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vtllm.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vtllm.worker.layers.norm import RMSNorm
@@ -169,10 +170,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(q_size, args.hidden_size, args.o_bias, tp)
         self.q_norm = norm_cls(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = norm_cls(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        # per-layer FP8 KV-cache scales (kv_cache_dtype.py): the checkpoint's, else 1.0;
-        # unused by bf16/fp16/fp32 caches
-        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
-        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        register_kv_scales(self)
 
     def forward(
         self,
