@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vtllm.worker.block_table import slot_mapping_of, token_layout
 from vtllm.worker.kv_cache_dtype import is_fp8
 
 
@@ -136,39 +137,60 @@ def build_attention_metadata(
     device: torch.device,
     backend: str = "torch",
 ) -> AttentionMetadata:
-    """Metadata for requests whose tokens are laid out back to back in step order.
+    """Metadata for requests whose tokens are laid out back to back in step order, from
+    plain lists (tests, the start-up dummy run; steps use ``attention_metadata`` on the
+    worker's persistent arrays).
 
     Request ``r`` computes its tokens ``seq_lens[r] - query_lens[r] .. seq_lens[r] - 1``;
-    its block table must cover ``seq_lens[r]`` tokens. ``backend``: "torch" (reference,
-    any device) or "triton" (GPU kernels).
+    its block table must cover ``seq_lens[r]`` tokens (ValueError otherwise).
+    ``backend``: "torch" (reference, any device) or "triton" (GPU kernels).
     """
     query_lens_np = np.asarray(query_lens, dtype=np.int64)
     seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
-    starts = np.concatenate(([0], np.cumsum(query_lens_np)[:-1])).astype(np.int64)
-    slots = []
+    for table, seq_len in zip(block_tables, seq_lens_np.tolist(), strict=True):
+        if len(table) * block_size < seq_len:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {seq_len} tokens")
+    tables = np.zeros((len(block_tables), max((len(t) for t in block_tables), default=0)), np.int32)
     for r, table in enumerate(block_tables):
-        positions = np.arange(seq_lens_np[r] - query_lens_np[r], seq_lens_np[r])
-        table_np = np.asarray(table, dtype=np.int64)
-        if len(table_np) * block_size < seq_lens_np[r]:
-            raise ValueError(
-                f"block table of {len(table_np)} blocks cannot hold {seq_lens_np[r]} tokens"
-            )
-        slots.append(table_np[positions // block_size] * block_size + positions % block_size)
-    slot_mapping = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+        tables[r, : len(table)] = table
+    query_start_loc, token_reqs, positions = token_layout(query_lens_np, seq_lens_np)
+    slots = slot_mapping_of(tables, token_reqs, positions, block_size)
+    return attention_metadata(
+        query_lens_np, seq_lens_np, query_start_loc, tables, slots, block_size, device, backend
+    )
+
+
+def attention_metadata(
+    query_lens: np.ndarray,  # [num_reqs] int64
+    seq_lens: np.ndarray,  # [num_reqs] int64
+    query_start_loc: np.ndarray,  # [num_reqs + 1] int32, cumulative query_lens
+    block_tables: np.ndarray,  # [num_reqs, max_num_blocks] int32, covering seq_lens
+    slot_mapping: np.ndarray,  # [num_tokens] int64
+    block_size: int,
+    device: torch.device,
+    backend: str = "torch",
+) -> AttentionMetadata:
+    """The metadata of a step from its host arrays (``StepBatch`` holds them), with no
+    loop over requests: numpy gathers, then one host→device copy per tensor.
+
+    Entries of ``block_tables`` past the blocks a request needs may hold any valid block
+    id (0 or blocks allocated ahead): nothing reads keys past a request's ``seq_len``.
+    """
+    slots = torch.from_numpy(slot_mapping).to(device)
     if backend == "triton":
         return AttentionMetadata(
-            torch.from_numpy(slot_mapping).to(device),
+            slots,
             [],
             backend,
-            _kernel_inputs(query_lens_np, seq_lens_np, block_tables, device),
+            _kernel_inputs(query_start_loc, seq_lens, block_tables, device),
         )
-    is_decode = query_lens_np == 1
+    is_decode = query_lens == 1
     groups = [
         _build_group(
             np.flatnonzero(members),
-            query_lens_np,
-            seq_lens_np,
-            starts,
+            query_lens,
+            seq_lens,
+            query_start_loc,
             block_tables,
             block_size,
             device,
@@ -176,22 +198,19 @@ def build_attention_metadata(
         for members in (is_decode, ~is_decode)
         if members.any()
     ]
-    return AttentionMetadata(torch.from_numpy(slot_mapping).to(device), groups)
+    return AttentionMetadata(slots, groups)
 
 
 def _kernel_inputs(
-    query_lens: np.ndarray,
+    query_start_loc: np.ndarray,
     seq_lens: np.ndarray,
-    block_tables: Sequence[Sequence[int]],
+    block_tables: np.ndarray,
     device: torch.device,
 ) -> KernelInputs:
     num_reqs = len(seq_lens)
-    max_blocks = max((len(t) for t in block_tables), default=1) or 1
-    tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-    for r, table in enumerate(block_tables):
-        tables[r, : len(table)] = table
-    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-    np.cumsum(query_lens, out=query_start_loc[1:])
+    if block_tables.shape[1] == 0:  # the kernels take a table at least one block wide
+        block_tables = np.zeros((num_reqs, 1), dtype=np.int32)
+    tables = np.ascontiguousarray(block_tables, dtype=np.int32)
     return KernelInputs(
         query_start_loc=torch.from_numpy(query_start_loc).to(device, non_blocking=True),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device, non_blocking=True),
@@ -201,22 +220,24 @@ def _kernel_inputs(
 
 
 def _build_group(
-    reqs: np.ndarray,
+    reqs: np.ndarray,  # [group_reqs] indices into the step's requests
     query_lens: np.ndarray,
     seq_lens: np.ndarray,
-    starts: np.ndarray,
-    block_tables: Sequence[Sequence[int]],
+    query_start_loc: np.ndarray,
+    block_tables: np.ndarray,
     block_size: int,
     device: torch.device,
 ) -> AttentionGroup:
     q_lens = query_lens[reqs]
     s_lens = seq_lens[reqs]
+    starts = query_start_loc[reqs].astype(np.int64)
     max_blocks = int(-(-s_lens.max() // block_size))
-    tables = np.zeros((len(reqs), max_blocks), dtype=np.int64)
-    for row, r in enumerate(reqs):
-        needed = -(-seq_lens[r] // block_size)
-        tables[row, :needed] = block_tables[r][:needed]
-    token_idx = np.concatenate([np.arange(starts[r], starts[r] + query_lens[r]) for r in reqs])
+    tables = block_tables[reqs, :max_blocks].astype(np.int64)
+    if len(q_lens) == int(q_lens.sum()):  # one token each (the decode group)
+        token_idx = starts
+    else:  # starts[r] .. starts[r] + q_lens[r] - 1, back to back
+        ends = np.cumsum(q_lens)
+        token_idx = np.repeat(starts - ends + q_lens, q_lens) + np.arange(ends[-1])
     return AttentionGroup(
         num_reqs=len(reqs),
         max_query_len=int(q_lens.max()),
@@ -225,7 +246,7 @@ def _build_group(
         block_size=block_size,
         query_lens=q_lens.tolist(),
         seq_lens=s_lens.tolist(),
-        token_starts=starts[reqs].tolist(),
+        token_starts=starts.tolist(),
     )
 
 

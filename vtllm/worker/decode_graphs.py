@@ -115,9 +115,9 @@ class DecodeInputs:
     def fits(self, batch: StepBatch) -> bool:
         """A decode-only batch no larger than the buffers, every table within ``W``."""
         return (
-            0 < len(batch.query_lens) <= self.max_batch
-            and batch.num_tokens == len(batch.query_lens)
-            and max(len(table) for table in batch.block_tables) <= self.blocks_per_seq
+            0 < batch.num_reqs <= self.max_batch
+            and batch.num_tokens == batch.num_reqs
+            and batch.max_num_blocks <= self.blocks_per_seq
         )
 
     def stage(self, batch: StepBatch) -> None:
@@ -125,25 +125,25 @@ class DecodeInputs:
         padding, and copy the used part to the device (asynchronously from pinned
         memory). The copy is done before the host buffer is written again: rank 0's
         sampling waits for the step, and other ranks get the next step only after rank 0
-        sampled, which waited on their all-reduces, queued behind their copies."""
-        n = len(batch.query_lens)
+        sampled, which waited on their all-reduces, queued behind their copies.
+
+        Every write is one vectorised numpy copy (the batch's tables are gathered from
+        the worker's persistent block table in one go): no loop over requests."""
+        n = batch.num_reqs
         host = self.host_view
         host("input_ids")[:n] = batch.input_ids
         host("input_ids")[n:] = 0
-        positions = batch.positions
-        host("positions")[:n] = positions
+        host("positions")[:n] = batch.positions
         host("positions")[n:] = 0
         host("seq_lens")[:n] = batch.seq_lens
         host("seq_lens")[n:] = 1
-        tables = host("block_tables")
-        for row, table in enumerate(batch.block_tables):
-            tables[row, : len(table)] = table
-        rows = np.arange(n)
-        slots = tables[rows, positions // self.block_size].astype(np.int64) * self.block_size
-        host("slot_mapping")[:n] = slots + positions % self.block_size
+        host("slot_mapping")[:n] = batch.slot_mapping
         host("slot_mapping")[n:] = -1
-        # table rows >= n are not copied: a padding row reads one key of whatever block
-        # its stale row names (finite values; its output is dropped)
+        # columns past a row's blocks keep what an earlier step left there: the kernel
+        # reads no key past seq_len. Table rows >= n are not copied: a padding row reads
+        # one key of whatever block its stale row names (finite values; output dropped)
+        width = batch.max_num_blocks
+        host("block_tables")[:n, :width] = batch.block_table[batch.table_rows, :width]
         end = self._tables_start + n * self.blocks_per_seq
         self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
 
@@ -223,7 +223,7 @@ class DecodeGraphs:
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` of a batch ``can_run`` accepted (a view into the
         graph's output: use it before the next ``run``)."""
-        n = len(batch.query_lens)
+        n = batch.num_reqs
         size = padded_size(self.sizes, n)
         assert size is not None, n
         self.inputs.stage(batch)

@@ -11,6 +11,13 @@ flat host arrays. Step order of requests is the order of ``num_scheduled_tokens`
     query_lens:   4                             1            1
     seq_lens:     8                             10           4
     samples:      only if 8 == len(A's tokens)  yes          yes
+
+Block tables persist across steps (``block_table.py``): each request owns a row of the
+worker's ``BlockTable``, filled once when the request arrives and then grown by the
+step's ``new_block_ids``; a step refers to the rows (``StepBatch.table_rows``) and copies
+no table. Positions, slot mapping and query offsets are computed from the rows with
+numpy, without a loop over requests; the one loop left (over the schedule, to find each
+request's row and input tokens) does constant work per request whatever its context.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import numpy as np
 import torch
 
 from vtllm.protocol.messages import SamplingParams, SchedulerOutput
+from vtllm.worker.block_table import BlockTable, slot_mapping_of, token_layout
 
 
 @dataclass
@@ -30,21 +38,30 @@ class RequestState:
     token_ids: list[int]  # prompt + every output token the engine has told us about
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    table_row: int  # its row of the worker's BlockTable
     num_computed_tokens: int
     generator: torch.Generator | None  # the request's own generator when it has a seed
 
 
 @dataclass
 class StepBatch:
-    """One step's work on the host: flat token arrays plus per-request rows."""
+    """One step's work on the host: flat token arrays plus per-request rows.
+
+    Request ``r``'s block table is row ``table_rows[r]`` of ``block_table``: the worker's
+    persistent table, not a copy, so it describes this step only (the next
+    ``RequestStates.update`` changes it). ``block_tables()`` gathers the rows.
+    """
 
     request_ids: list[str]  # every computed request, step order
     input_ids: np.ndarray  # [num_tokens] int64
     positions: np.ndarray  # [num_tokens] int64
-    query_lens: list[int]  # per request
-    seq_lens: list[int]  # per request: computed tokens after this step
-    block_tables: list[list[int]]  # per request
+    slot_mapping: np.ndarray  # [num_tokens] int64 KV slot of each token
+    query_lens: np.ndarray  # [num_reqs] int64
+    seq_lens: np.ndarray  # [num_reqs] int64: computed tokens after this step
+    query_start_loc: np.ndarray  # [num_reqs + 1] int32, cumulative query_lens
+    table_rows: np.ndarray  # [num_reqs] int64 rows of block_table
+    num_blocks: np.ndarray  # [num_reqs] int64 blocks in each request's table
+    block_table: np.ndarray  # [table rows, table width] int32 (0 past each row's blocks)
     sample_rows: list[int]  # indices into request_ids of requests that sample
     logits_indices: np.ndarray  # [num_sampling] flat index of each sampler's last token
     errors: dict[str, str] = field(default_factory=dict)  # request id → why skipped
@@ -53,15 +70,31 @@ class StepBatch:
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
+    @property
+    def num_reqs(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def max_num_blocks(self) -> int:
+        """The widest table of the step (0 without requests)."""
+        return int(self.num_blocks.max()) if self.num_reqs else 0
+
+    def block_tables(self) -> np.ndarray:
+        """``[num_reqs, max_num_blocks]`` int32: each request's table, 0-padded (one
+        vectorised gather)."""
+        return self.block_table[self.table_rows, : self.max_num_blocks]
+
 
 class RequestStates:
-    """Every request the worker currently holds, keyed by request id."""
+    """Every request the worker currently holds, keyed by request id, and their block
+    tables (one ``BlockTable`` row each, freed when the request is dropped)."""
 
     def __init__(self, make_generator: Callable[[SamplingParams, int], torch.Generator | None]):
         """``make_generator(params, num_output_tokens)`` builds a seeded request's
         generator (already advanced past the outputs it has), or None."""
         self._states: dict[str, RequestState] = {}
         self._make_generator = make_generator
+        self.block_table = BlockTable()
 
     def __len__(self) -> int:
         return len(self._states)
@@ -72,19 +105,24 @@ class RequestStates:
     def get(self, request_id: str) -> RequestState | None:
         return self._states.get(request_id)
 
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (a copy); KeyError for an unknown id."""
+        return self.block_table.block_ids(self._states[request_id].table_row)
+
     def update(self, step: SchedulerOutput) -> dict[str, str]:
         """Apply one step's deltas. Returns per-request errors (unknown ids)."""
         errors: dict[str, str] = {}
         for request_id in step.finished_request_ids:
-            self._states.pop(request_id, None)
+            self.drop(request_id)
         for new in step.new_requests:
+            self.drop(new.request_id)  # sent anew (a resume): its old state is void
             num_outputs = len(new.token_ids) - new.num_prompt_tokens
             self._states[new.request_id] = RequestState(
                 request_id=new.request_id,
                 token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids),
+                table_row=self.block_table.add(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=self._make_generator(new.sampling_params, num_outputs),
             )
@@ -94,7 +132,7 @@ class RequestStates:
                 errors[cached.request_id] = "worker holds no state for this request"
                 continue
             state.token_ids.extend(cached.new_token_ids)
-            state.block_ids.extend(cached.new_block_ids)
+            self.block_table.append(state.table_row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
         return errors
 
@@ -102,16 +140,42 @@ class RequestStates:
         """Flat inputs for ``step``; a request whose numbers do not add up is left out
         and reported in ``errors``. Advances no state: the engine sends
         ``num_computed_tokens`` with every step."""
+        errors: dict[str, str] = {}
+        while True:
+            batch, token_reqs = self._collect(step, errors)
+            # block tables that cannot hold the step's tokens: rare, checked in one go,
+            # then the step is collected again without them
+            short = np.flatnonzero(batch.num_blocks * block_size < batch.seq_lens)
+            if not len(short):
+                break
+            for r in short.tolist():
+                errors[batch.request_ids[r]] = (
+                    f"{batch.num_blocks[r]} blocks of {block_size} cannot hold "
+                    f"{batch.seq_lens[r]} tokens"
+                )
+        batch.slot_mapping = slot_mapping_of(
+            batch.block_table, batch.table_rows[token_reqs], batch.positions, block_size
+        )
+        batch.errors = errors
+        return batch
+
+    def _collect(
+        self, step: SchedulerOutput, errors: dict[str, str]
+    ) -> tuple[StepBatch, np.ndarray]:
+        """The scheduled requests not in ``errors`` (adding those whose token counts do
+        not add up), with everything but ``slot_mapping`` filled; and the ``[num_tokens]``
+        request index of each flat token."""
         request_ids: list[str] = []
-        input_chunks: list[list[int]] = []
+        rows: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
+        input_ids: list[int] = []
         sample_rows: list[int] = []
-        errors: dict[str, str] = {}
         for request_id, num_scheduled in step.num_scheduled_tokens.items():
+            if request_id in errors:
+                continue
             state = self._states.get(request_id)
-            problem = _check(state, num_scheduled, block_size)
+            problem = _check(state, num_scheduled)
             if problem is not None:
                 errors[request_id] = problem
                 continue
@@ -121,35 +185,40 @@ class RequestStates:
             if end == len(state.token_ids):
                 sample_rows.append(len(request_ids))
             request_ids.append(request_id)
-            input_chunks.append(state.token_ids[start:end])
+            rows.append(state.table_row)
             query_lens.append(num_scheduled)
             seq_lens.append(end)
-            block_tables.append(state.block_ids)
-        input_ids = np.fromiter(
-            (t for chunk in input_chunks for t in chunk), dtype=np.int64, count=sum(query_lens)
-        )
-        positions = np.concatenate(
-            [np.arange(s - q, s) for q, s in zip(query_lens, seq_lens, strict=True)]
-            or [np.zeros(0, dtype=np.int64)]
-        ).astype(np.int64)
-        last_token = np.cumsum(query_lens, dtype=np.int64) - 1
+            if num_scheduled == 1:
+                input_ids.append(state.token_ids[start])
+            else:
+                input_ids.extend(state.token_ids[start:end])
+        query_lens_np = np.array(query_lens, dtype=np.int64)
+        seq_lens_np = np.array(seq_lens, dtype=np.int64)
+        table_rows = np.array(rows, dtype=np.int64)
+        query_start_loc, token_reqs, positions = token_layout(query_lens_np, seq_lens_np)
         return StepBatch(
             request_ids=request_ids,
-            input_ids=input_ids,
+            input_ids=np.array(input_ids, dtype=np.int64),
             positions=positions,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
+            slot_mapping=np.zeros(0, dtype=np.int64),
+            query_lens=query_lens_np,
+            seq_lens=seq_lens_np,
+            query_start_loc=query_start_loc,
+            table_rows=table_rows,
+            num_blocks=self.block_table.num_blocks[table_rows],
+            block_table=self.block_table.table,
             sample_rows=sample_rows,
-            logits_indices=last_token[sample_rows] if sample_rows else np.zeros(0, np.int64),
-            errors=errors,
-        )
+            logits_indices=query_start_loc[1:][sample_rows].astype(np.int64) - 1,
+        ), token_reqs
 
     def drop(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
+        """Forget the request and free its block-table row (no-op for an unknown id)."""
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.block_table.free(state.table_row)
 
 
-def _check(state: RequestState | None, num_scheduled: int, block_size: int) -> str | None:
+def _check(state: RequestState | None, num_scheduled: int) -> str | None:
     if state is None:
         return "scheduled but the worker holds no state for it"
     end = state.num_computed_tokens + num_scheduled
@@ -158,6 +227,4 @@ def _check(state: RequestState | None, num_scheduled: int, block_size: int) -> s
             f"scheduled {num_scheduled} tokens from {state.num_computed_tokens}, but only "
             f"{len(state.token_ids)} tokens are known"
         )
-    if len(state.block_ids) * block_size < end:
-        return f"{len(state.block_ids)} blocks of {block_size} cannot hold {end} tokens"
     return None

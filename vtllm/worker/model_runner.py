@@ -2,7 +2,8 @@
 
 Flow of ``execute``::
 
-    SchedulerOutput ─ RequestStates.update ─ build_step (host arrays)
+    SchedulerOutput ─ RequestStates.update (deltas into the persistent block table)
+        ─ build_step (host arrays, vectorised)
         ─ to device ─ model.forward (writes KV, attends) ─ hidden[last tokens of samplers]
         ─ compute_logits ─ Sampler ─ ModelRunnerOutput
 """
@@ -20,7 +21,7 @@ from torch import nn
 from vtllm import envs
 from vtllm.protocol.limits import effective_temperature
 from vtllm.protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
-from vtllm.worker.attention import build_attention_metadata
+from vtllm.worker.attention import attention_metadata, build_attention_metadata
 from vtllm.worker.decode_graphs import DecodeGraphs, capture_sizes
 from vtllm.worker.distributed import TPGroup
 from vtllm.worker.grammar import GrammarCompilerService, StructuredOutputs
@@ -246,10 +247,12 @@ class ModelRunner:
                 return self.model.compute_logits(hidden), hidden
             rows = torch.from_numpy(batch.logits_indices).to(self.device)
             return self.model.compute_logits(hidden.index_select(0, rows)), hidden
-        metadata = build_attention_metadata(
+        metadata = attention_metadata(
             batch.query_lens,
             batch.seq_lens,
-            batch.block_tables,
+            batch.query_start_loc,
+            batch.block_tables(),
+            batch.slot_mapping,
             self.block_size,
             self.device,
             self.attention_backend,

@@ -46,8 +46,9 @@ class Pooler:
         sampling = set(batch.sample_rows)
         out: dict[str, list[float]] = {}
         start = 0
-        for row, request_id in enumerate(batch.request_ids):
-            num = batch.query_lens[row]
+        for row, (request_id, num) in enumerate(
+            zip(batch.request_ids, batch.query_lens.tolist(), strict=True)
+        ):
             state = states.get(request_id)
             kind = state.sampling_params.pooling if state is not None else PoolingType.NONE
             if kind == PoolingType.LAST and row in sampling:
