@@ -85,6 +85,7 @@ def _grown(table: np.ndarray, num_rows: int, width: int) -> np.ndarray:
 def token_layout(
     query_lens: np.ndarray,  # [num_reqs] int64
     seq_lens: np.ndarray,  # [num_reqs] int64
+    num_tokens: int | None = None,  # sum of query_lens, when the caller knows it
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Where each request's tokens lie in the flat step order, without a Python loop.
 
@@ -100,11 +101,13 @@ def token_layout(
     positions [num_tokens] int64)``.
     """
     num_reqs = len(query_lens)
+    if num_tokens is None:
+        num_tokens = int(query_lens.sum())
+    if num_tokens == num_reqs:  # decode only: one token per request, its last position
+        arange = np.arange(num_reqs + 1, dtype=np.int64)
+        return arange.astype(np.int32), arange[:-1], seq_lens - 1
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
     np.cumsum(query_lens, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
-    if num_tokens == num_reqs:  # decode only: one token per request, its last position
-        return query_start_loc, np.arange(num_reqs, dtype=np.int64), seq_lens - 1
     token_req = np.repeat(np.arange(num_reqs, dtype=np.int64), query_lens)
     # position = first position of its request + offset inside the request's chunk
     first = (seq_lens - query_lens - query_start_loc[:-1])[token_req]

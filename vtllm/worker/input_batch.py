@@ -85,6 +85,9 @@ class StepBatch:
         return self.block_table[self.table_rows, : self.max_num_blocks]
 
 
+_NO_STATE = "scheduled but the worker holds no state for it"
+
+
 class RequestStates:
     """Every request the worker currently holds, keyed by request id, and their block
     tables (one ``BlockTable`` row each, freed when the request is dropped)."""
@@ -132,7 +135,8 @@ class RequestStates:
                 errors[cached.request_id] = "worker holds no state for this request"
                 continue
             state.token_ids.extend(cached.new_token_ids)
-            self.block_table.append(state.table_row, cached.new_block_ids)
+            if cached.new_block_ids:  # most decode steps append none
+                self.block_table.append(state.table_row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
         return errors
 
@@ -145,10 +149,10 @@ class RequestStates:
             batch, token_reqs = self._collect(step, errors)
             # block tables that cannot hold the step's tokens: rare, checked in one go,
             # then the step is collected again without them
-            short = np.flatnonzero(batch.num_blocks * block_size < batch.seq_lens)
-            if not len(short):
+            short = batch.num_blocks * block_size < batch.seq_lens
+            if not short.any():
                 break
-            for r in short.tolist():
+            for r in np.flatnonzero(short).tolist():
                 errors[batch.request_ids[r]] = (
                     f"{batch.num_blocks[r]} blocks of {block_size} cannot hold "
                     f"{batch.seq_lens[r]} tokens"
@@ -172,17 +176,20 @@ class RequestStates:
         input_ids: list[int] = []
         sample_rows: list[int] = []
         for request_id, num_scheduled in step.num_scheduled_tokens.items():
-            if request_id in errors:
-                continue
             state = self._states.get(request_id)
-            problem = _check(state, num_scheduled)
-            if problem is not None:
-                errors[request_id] = problem
+            if state is None or request_id in errors:
+                errors.setdefault(request_id, _NO_STATE)
                 continue
-            assert state is not None
             start = state.num_computed_tokens
             end = start + num_scheduled
-            if end == len(state.token_ids):
+            num_tokens = len(state.token_ids)
+            if num_scheduled < 1 or end > num_tokens:
+                errors[request_id] = (
+                    f"scheduled {num_scheduled} tokens from {start}, but only "
+                    f"{num_tokens} tokens are known"
+                )
+                continue
+            if end == num_tokens:
                 sample_rows.append(len(request_ids))
             request_ids.append(request_id)
             rows.append(state.table_row)
@@ -195,7 +202,11 @@ class RequestStates:
         query_lens_np = np.array(query_lens, dtype=np.int64)
         seq_lens_np = np.array(seq_lens, dtype=np.int64)
         table_rows = np.array(rows, dtype=np.int64)
-        query_start_loc, token_reqs, positions = token_layout(query_lens_np, seq_lens_np)
+        query_start_loc, token_reqs, positions = token_layout(
+            query_lens_np, seq_lens_np, len(input_ids)
+        )
+        # the flat index of each sampling request's last token
+        last_tokens = query_start_loc[np.array(sample_rows, dtype=np.int64) + 1] - np.int64(1)
         return StepBatch(
             request_ids=request_ids,
             input_ids=np.array(input_ids, dtype=np.int64),
@@ -208,7 +219,7 @@ class RequestStates:
             num_blocks=self.block_table.num_blocks[table_rows],
             block_table=self.block_table.table,
             sample_rows=sample_rows,
-            logits_indices=query_start_loc[1:][sample_rows].astype(np.int64) - 1,
+            logits_indices=last_tokens,
         ), token_reqs
 
     def drop(self, request_id: str) -> None:
@@ -216,15 +227,3 @@ class RequestStates:
         state = self._states.pop(request_id, None)
         if state is not None:
             self.block_table.free(state.table_row)
-
-
-def _check(state: RequestState | None, num_scheduled: int) -> str | None:
-    if state is None:
-        return "scheduled but the worker holds no state for it"
-    end = state.num_computed_tokens + num_scheduled
-    if num_scheduled < 1 or end > len(state.token_ids):
-        return (
-            f"scheduled {num_scheduled} tokens from {state.num_computed_tokens}, but only "
-            f"{len(state.token_ids)} tokens are known"
-        )
-    return None
