@@ -107,7 +107,7 @@ def run(model_dir: str, quantization: str | None, steps: int, vocab: int, top_k:
     return result
 
 
-def _graph_us(platform, fn, calls: int = 20, replays: int = 20) -> float:
+def graph_us(platform, fn, calls: int = 20, replays: int = 20) -> float:
     """Microseconds per ``fn(i)`` call, from a device graph of calls ``i = 0 .. calls-1``
     (no launch overhead) replayed ``replays`` times. ``fn`` picks its operands by ``i`` so
     that a replay does not find them in L2."""
@@ -138,11 +138,11 @@ def _dense_times(platform, n: int, k: int) -> dict:
     rows = [quantize_rows(one, platform.fp8_dtype) for one in w]
     blocks = [quantize_blocks(one, (128, 128), platform.fp8_dtype) for one in w]
     return {
-        "bf16_us": _graph_us(platform, lambda i: torch.nn.functional.linear(x, w[i])),
-        "fp8_row_us": _graph_us(
+        "bf16_us": graph_us(platform, lambda i: torch.nn.functional.linear(x, w[i])),
+        "fp8_row_us": graph_us(
             platform, lambda i: fp8_matmul(x, rows[i][0], rows[i][1][:, None], (1, k))
         ),
-        "fp8_block_us": _graph_us(
+        "fp8_block_us": graph_us(
             platform, lambda i: fp8_matmul(x, blocks[i][0], blocks[i][1], (128, 128))
         ),
     }
@@ -168,7 +168,7 @@ def sweep_dense_tiles(config: dict, tokens: int) -> list[dict]:
     for name, (n, k) in {"qkv": (qkv, hidden), "o": (hidden, heads * head_dim)}.items():
         w = [torch.randn(n, k, device=platform.device, dtype=torch.bfloat16) for _ in range(20)]
         x = torch.randn(tokens, k, device=platform.device, dtype=torch.bfloat16)
-        bf16_us = _graph_us(platform, lambda i, x=x, w=w: torch.nn.functional.linear(x, w[i]))
+        bf16_us = graph_us(platform, lambda i, x=x, w=w: torch.nn.functional.linear(x, w[i]))
         results.append({"proj": name, "scales": "bf16 (cuBLAS)", "us": round(bf16_us, 1)})
         for kind, quantize, block in (
             ("row", lambda t: quantize_rows(t, platform.fp8_dtype), (1, k)),
@@ -184,7 +184,7 @@ def sweep_dense_tiles(config: dict, tokens: int) -> list[dict]:
                 for bn, bk, warps, stages in itertools.product((16, 32, 64), block_ks, (4,), (3, 5))
             ]
             for tiles in candidates:
-                us = _graph_us(
+                us = graph_us(
                     platform,
                     lambda i, x=x, ws=weights, block=block, tiles=tiles: fp8_matmul(
                         x, *ws[i], block, tiles
@@ -223,10 +223,10 @@ def kernel_times(config: dict) -> dict:
             for _ in range(20)
         ]
         weights = torch.full((1, top_k), 1.0 / top_k, device=device)
-        times["moe_bf16_us"] = _graph_us(platform, lambda i: fused_moe(x, w13, w2, weights, ids[i]))
+        times["moe_bf16_us"] = graph_us(platform, lambda i: fused_moe(x, w13, w2, weights, ids[i]))
         (q13, s13), (q2, s2) = quantize_rows(w13, fp8), quantize_rows(w2, fp8)
         scales = ExpertScales(s13, None), ExpertScales(s2, None)
-        times["moe_fp8_row_us"] = _graph_us(
+        times["moe_fp8_row_us"] = graph_us(
             platform,
             lambda i: fused_moe(
                 x, q13, q2, weights, ids[i], w13_scales=scales[0], w2_scales=scales[1]
@@ -247,6 +247,9 @@ def main() -> None:
         help="only time fp8_matmul launch configurations at TOKENS rows (default first)",
     )
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument(
+        "--kernels-only", action="store_true", help="only the per-kernel batch-1 table"
+    )
     args = parser.parse_args()
     if args.model_shape:
         args.model_dir = str(write_shape_dir(args.model_shape))
@@ -258,6 +261,8 @@ def main() -> None:
         return
     bandwidth = measure_copy_bandwidth()
     print(json.dumps({"kernels_batch_1": kernel_times(config)}), flush=True)
+    if args.kernels_only:
+        return
     results = []
     for quantization in (None, "fp8"):
         results.append(run(args.model_dir, quantization, args.steps, vocab, top_k))

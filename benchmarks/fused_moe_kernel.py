@@ -8,6 +8,14 @@ and down once, plus activations) and the achieved fraction of ``--peak-gbps`` (H
 4800 GB/s). Prints one JSON line per row.
 
     python3 benchmarks/fused_moe_kernel.py [--tokens 1 16 256] [--iters 50]
+
+``--sweep`` times the decode path instead, inside device graphs of 20 calls (each call its
+own top-k, so L2 does not hold the experts; no launch overhead): every gate/up GEMV and
+down-and-sum launch configuration at ``--tokens`` (the default first), and the whole
+routed layer (router projection + routing + experts) with the routing kernel and with the
+torch routing it replaced (the baseline, same run):
+
+    python3 benchmarks/fused_moe_kernel.py --sweep --tokens 1 4 16
 """
 
 from __future__ import annotations
@@ -22,8 +30,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.fp8_decode import graph_us  # noqa: E402
+from vtllm.worker.kernels import fused_moe as moe_kernels  # noqa: E402
 from vtllm.worker.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
+from vtllm.worker.kernels.moe_routing import moe_route_ref  # noqa: E402
 from vtllm.worker.layers.moe import RouterSpec, select_experts  # noqa: E402
+from vtllm.worker.platform import detect_platform  # noqa: E402
 
 
 def _time_ms(fn, iters: int, *args) -> float:
@@ -38,6 +50,64 @@ def _time_ms(fn, iters: int, *args) -> float:
     return statistics.median(times)
 
 
+def sweep_decode(args, w13, w2, router) -> None:
+    """JSON lines: microseconds per call of each decode-path launch configuration, and of
+    the routed layer with kernel vs torch routing (see the module docstring)."""
+    import itertools
+
+    platform = detect_platform(0)
+    device, hidden, experts = platform.device, args.hidden, args.experts
+    spec = RouterSpec(args.top_k, round_weights=True)  # Qwen3-MoE's router
+    gemv_tiles, down_tiles = moe_kernels._gemv_tiles, moe_kernels._down_sum_tiles
+    for num_tokens in args.tokens:
+        x = torch.randn(num_tokens, hidden, device=device).bfloat16()
+        ids = [  # a different top-k per call of the graph
+            torch.stack([torch.randperm(experts, device=device)[: args.top_k] for _ in x]).to(
+                torch.int32
+            )
+            for _ in range(20)
+        ]
+        weights = torch.full((num_tokens, args.top_k), 1.0 / args.top_k, device=device)
+
+        def experts_only(i, x=x, weights=weights, ids=ids):
+            return fused_moe(x, w13, w2, weights, ids[i], "silu", "gemv")
+
+        default = (gemv_tiles(num_tokens * args.top_k, args.inter, device),
+                   down_tiles(num_tokens, hidden, device))  # fmt: skip
+        configs = [default]
+        configs += [
+            (g, default[1]) for g in itertools.product((16, 32, 64), (64, 128, 256, 512), (4, 8))
+        ]
+        configs += [
+            (default[0], d) for d in itertools.product((8, 16, 32), (32, 64, 128), (2, 4, 8))
+        ]
+        for gemv, down in configs:
+            moe_kernels._gemv_tiles = lambda *_, gemv=gemv: gemv
+            moe_kernels._down_sum_tiles = lambda *_, down=down: down
+            try:
+                us = graph_us(platform, experts_only)
+            except Exception as error:  # a configuration the compiler refuses
+                us = f"failed: {type(error).__name__}"
+            print(json.dumps({"tokens": num_tokens, "gemv_tiles": gemv, "down_sum_tiles": down,
+                              "default": (gemv, down) == default, "us": us}), flush=True)  # fmt: skip
+        moe_kernels._gemv_tiles, moe_kernels._down_sum_tiles = gemv_tiles, down_tiles
+        for routing, route in (("kernel", select_experts), ("torch", _torch_route)):
+
+            def layer(i, route=route, x=x):
+                logits = x @ router[i % 4].t()  # [T, E]
+                topk_weights, topk_ids = route(logits, spec)
+                return fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+            us = graph_us(platform, layer)
+            print(json.dumps({"tokens": num_tokens, "layer_with_routing": routing, "us": round(us, 1)}),
+                  flush=True)  # fmt: skip
+
+
+def _torch_route(logits, spec):
+    """The torch routing the kernel replaced (several small kernels)."""
+    return moe_route_ref(logits, spec.top_k, spec.scoring, spec.renormalize, spec.round_weights)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 2048])
@@ -47,6 +117,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--peak-gbps", type=float, default=4800.0)
+    parser.add_argument("--sweep", action="store_true", help="decode-path configurations")
     args = parser.parse_args()
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
@@ -56,6 +127,10 @@ def main() -> None:
     w2 = torch.randn(experts, hidden, inter, device=device, generator=generator) / inter**0.5
     w2 = w2.bfloat16()
     router = torch.randn(experts, hidden, device=device, generator=generator).bfloat16()
+    if args.sweep:
+        routers = torch.randn(4, experts, hidden, device=device, generator=generator).bfloat16()
+        sweep_decode(args, w13, w2, routers)
+        return
     expert_bytes = 3 * inter * hidden * 2
     for num_tokens in args.tokens:
         x = torch.randn(num_tokens, hidden, device=device, generator=generator).bfloat16()

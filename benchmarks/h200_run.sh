@@ -19,6 +19,14 @@
 #                 message where this tree has no such flag; a shape missing from MODEL_SHAPES
 #                 is skipped too)
 #   moe-kernel    benchmarks/fused_moe_kernel.py: the fused-MoE kernel vs its torch reference
+#   moe-sweep     its --sweep: decode-path launch configurations at 1, 4, 16 tokens, and the
+#                 routed layer with the routing kernel vs torch routing
+#   fp8-sweep     benchmarks/fp8_decode.py --sweep 1: dense FP8 launch configurations at one token
+#   kernels-b1    benchmarks/fp8_decode.py --kernels-only: qkv / o / MoE layer at one token,
+#                 bf16 vs FP8
+#   profile-moe   profile_decode.py --kernels on the Qwen3-30B-A3B shape, batch 1, graphs
+#                 and eager (device kernels per step)
+#   moe-gpu-tests the GPU tests of the MoE and FP8 kernels and layers
 # HTTP vs offline on one shape (random weights, a synthetic tokenizer over the whole
 # vocabulary: benchmarks/http_model_dir.py), issue 13's workloads:
 #   http-smollm2-135m  1,024 requests, 110 in / 256 out (~3 min: 4 engine start-ups)
@@ -84,6 +92,27 @@ for phase in "$@"; do
     moe-kernel)
       timeout 50 python3 benchmarks/fused_moe_kernel.py >> "$OUT/moe_kernel.jsonl" 2>&1
       tail -8 "$OUT/moe_kernel.jsonl" ;;
+    moe-sweep)
+      timeout 240 python3 benchmarks/fused_moe_kernel.py --sweep --tokens 1 4 16 \
+        >> "$OUT/moe_sweep.jsonl" 2>> "$OUT/moe_sweep.log"
+      grep -E '"default": true|layer_with' "$OUT/moe_sweep.jsonl" ;;
+    fp8-sweep)
+      timeout 150 python3 benchmarks/fp8_decode.py --model-shape qwen3-30b-a3b --sweep 1 \
+        >> "$OUT/fp8_sweep.jsonl" 2>> "$OUT/fp8_sweep.log" ;;
+    kernels-b1)
+      timeout 120 python3 benchmarks/fp8_decode.py --model-shape qwen3-30b-a3b --kernels-only \
+        >> "$OUT/kernels_b1.jsonl" 2>> "$OUT/kernels_b1.log"
+      tail -1 "$OUT/kernels_b1.jsonl" ;;
+    profile-moe)
+      for args in "" "--eager"; do
+        timeout 150 python3 benchmarks/profile_decode.py --model-shape qwen3-30b-a3b --batch 1 \
+          --steps 50 --kernels $args >> "$OUT/profile_moe.txt" 2>&1
+      done
+      grep -E "execute_ms|device_us_per_step" "$OUT/profile_moe.txt" ;;
+    moe-gpu-tests)
+      timeout 300 python3 -m pytest -m gpu -q -rP -p no:cacheprovider tests/worker/kernels \
+        tests/worker/test_gpu_moe.py tests/worker/test_gpu_fp8.py tests/worker/test_gpu_gemma4.py \
+        >> "$OUT/gpu_tests.txt" 2>&1 ;;
     profile)
       for args in "--batch 1" "--batch 1 --eager" "--batch 64"; do
         timeout 60 python3 benchmarks/profile_decode.py $args >> "$OUT/profile.txt" 2>&1

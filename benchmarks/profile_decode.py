@@ -6,6 +6,10 @@ Builds the ModelRunner of a ``--model-shape`` (random bf16 weights) on the GPU, 
 host side. Prints JSON lines and the top host functions.
 
     python3 benchmarks/profile_decode.py --model-shape qwen3-0.6b --batch 1 [--eager]
+
+``--kernels`` adds the device side: ``torch.profiler`` over ``--steps`` steps, the kernels
+by total device time with their launches per step (under graphs the profiler sees the
+replayed kernels where the CUDA version reports them; else run it with ``--eager``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--kernels", action="store_true", help="a table of device kernels")
     args = parser.parse_args()
     platform = detect_platform(0)
     model_dir = write_shape_dir(args.model_shape)
@@ -89,6 +94,28 @@ def main() -> None:
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
     print(text.getvalue())
+    if args.kernels:
+        print_kernel_table(lambda: engine.step(schedule), args.steps, platform)
+
+
+def print_kernel_table(step, steps: int, platform) -> None:
+    """Device kernels of ``steps`` calls of ``step``: per kernel name, the device
+    microseconds a step and launches a step, largest first (top 40), and the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        platform.synchronize()
+    rows = [e for e in prof.key_averages() if e.self_device_time_total > 0]  # kernels, copies
+    rows.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in rows) / steps
+    print(json.dumps({"device_us_per_step": round(total, 1), "kernels": len(rows)}))
+    for e in rows[:40]:
+        print(
+            f"{e.self_device_time_total / steps:9.1f} us/step {e.count / steps:7.1f} launches/step  "
+            f"{e.key[:110]}"
+        )
 
 
 def _step_like(schedule: dict[str, int]) -> SchedulerOutput:

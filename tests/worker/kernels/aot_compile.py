@@ -28,6 +28,7 @@ from vtllm.worker.kernels import (
     activation,
     fp8_matmul,
     fused_moe,
+    moe_routing,
     paged_attention,
     reshape_and_cache,
     rms_norm,
@@ -59,6 +60,8 @@ _POINTER_TYPES = {
     "block_expert_ids_ptr": "*i32",
     "num_padded_ptr": "*i32",
     "pair_expert_ids_ptr": "*i32",
+    "ids_ptr": "*i32",
+    "weights_ptr": "*fp32",
     "scale_ptr": "*fp32",
     "k_scale_ptr": "*fp32",
     "v_scale_ptr": "*fp32",
@@ -232,6 +235,41 @@ VARIANTS = [
         dict(A_PAIRS_PER_ROW=1, GATED=False, ACTIVATION=0, MUL_WEIGHT=True)
         | dict(W_SCALE=1, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1, BLOCK_N=64, BLOCK_K=128),
         fp8_pointers=("w_ptr",),
+    ),
+    Variant(
+        "fused_moe_down_sum/bf16-top8",
+        fused_moe._fused_moe_down_sum_kernel,
+        "bf16",
+        dict(TOP_K=8, BLOCK_TOPK=8, BLOCK_N=8, BLOCK_K=64) | _NO_SCALE,
+    ),
+    Variant(
+        "fused_moe_down_sum/bf16-fp8-block-top8",
+        fused_moe._fused_moe_down_sum_kernel,
+        "bf16",
+        dict(TOP_K=8, BLOCK_TOPK=8, BLOCK_N=16, BLOCK_K=64) | _BLOCK_SCALES,
+        fp8_pointers=("w_ptr",),
+    ),
+    Variant(
+        "fused_moe_down_sum/fp16-fp8-row-top6",
+        fused_moe._fused_moe_down_sum_kernel,
+        "fp16",
+        dict(TOP_K=6, BLOCK_TOPK=8, BLOCK_N=32, BLOCK_K=64, W_SCALE=1)
+        | dict(SCALE_BLOCK_N=1, SCALE_BLOCK_K=1),
+        fp8_pointers=("w_ptr",),
+    ),
+    Variant(
+        "moe_route/bf16-softmax-top8-of-128",
+        moe_routing._moe_route_kernel,
+        "bf16",
+        dict(TOP_K=8, SCORING=0, RENORMALIZE=True, ROUND=True, HAS_EXPERT_SCALE=False)
+        | dict(BLOCK_E=128, BLOCK_TOPK=8),
+    ),
+    Variant(
+        "moe_route/fp32-sigmoid-scaled",
+        moe_routing._moe_route_kernel,
+        "fp32",
+        dict(TOP_K=4, SCORING=1, RENORMALIZE=False, ROUND=False, HAS_EXPERT_SCALE=True)
+        | dict(BLOCK_E=256, BLOCK_TOPK=4),
     ),
     Variant(
         "fp8_matmul/bf16-block-128",

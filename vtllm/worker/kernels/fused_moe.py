@@ -20,8 +20,10 @@ Two paths, chosen by how many pairs each expert gets on average:
   The grid is sized for the worst case, ``cdiv(P, BLOCK_M) + min(E, P)`` blocks, and blocks
   past ``num_padded`` return at once: no host sync, CUDA-graph safe.
 * **per-pair GEMV** (decode, ``P <= E``: most experts see at most one pair): one program per
-  (pair, N tile) reads its expert's rows, with no sort and no padded rows (pairs that
-  share an expert read it again, mostly from L2).
+  (pair, N tile) reads its expert's gate and up rows, with no sort and no padded rows (pairs
+  that share an expert read it again, mostly from L2); then one program per (token, N tile)
+  reads the down rows of all the token's k experts at once and writes the weighted sum
+  straight to ``y`` (fp32 sum, rounded once): two kernels a layer, no per-pair output.
 
 Weight layout is the HF one: ``w13 [E, 2*I, H]`` (gate rows, then up rows) and
 ``w2 [E, H, I]``. The intermediate is stored in x's dtype (rounded once after the fp32
@@ -240,6 +242,75 @@ def _fused_moe_gemv_kernel(
     tl.store(out_ptr + pair_id * stride_out_row + offs_n, acc.to(out_ptr.dtype.element_ty), n_mask)
 
 
+@triton.jit
+def _fused_moe_down_sum_kernel(
+    out_ptr,  # [num_tokens, n]
+    a_ptr,  # [num_tokens * TOP_K, k]: the pairs' intermediate
+    w_ptr,  # [num_experts, n, k]
+    scale_ptr,  # as in the GEMM kernel
+    pair_weights_ptr,  # [num_pairs] fp32
+    pair_expert_ids_ptr,  # [num_pairs] i32
+    n,
+    k,
+    stride_a_row,
+    stride_out_row,
+    stride_w_expert,
+    stride_w_row,
+    stride_scale_expert,
+    stride_scale_row,
+    TOP_K: tl.constexpr,
+    W_SCALE: tl.constexpr,
+    SCALE_BLOCK_N: tl.constexpr,
+    SCALE_BLOCK_K: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,  # power of two >= TOP_K
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Decode path's down projection and weighted sum in one: a program owns one token's
+    ``BLOCK_N`` outputs and reads all ``TOP_K`` experts' rows at once (a
+    ``[TOP_K, BLOCK_N, BLOCK_K]`` tile per K step), so no per-pair output is stored."""
+    token = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_j = tl.arange(0, BLOCK_TOPK)
+    j_mask = offs_j < TOP_K
+    pairs = token * TOP_K + offs_j  # [J]
+    experts = tl.load(pair_expert_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)
+    weights = tl.load(pair_weights_ptr + pairs, mask=j_mask, other=0.0)  # [J]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = (  # [J, BLOCK_N, BLOCK_K]
+        w_ptr
+        + experts[:, None, None] * stride_w_expert
+        + offs_n[None, :, None].to(tl.int64) * stride_w_row
+        + offs_k[None, None, :]
+    )
+    a_ptrs = a_ptr + pairs[:, None] * stride_a_row + offs_k[None, :]  # [J, BLOCK_K]
+    scale_base = scale_ptr + experts * stride_scale_expert  # [J]
+    jn_mask = j_mask[:, None] & n_mask[None, :]  # [J, BLOCK_N]
+    acc = tl.zeros((BLOCK_TOPK, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        k_mask = offs_k + k0 < k
+        a = tl.load(a_ptrs, mask=j_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_mask[None, None, :], other=0.0)
+        part = tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)  # [J, BLOCK_N]
+        if W_SCALE == 2:
+            block_rows = (offs_n // SCALE_BLOCK_N).to(tl.int64) * stride_scale_row
+            part *= tl.load(
+                scale_base[:, None] + block_rows[None, :] + k0 // SCALE_BLOCK_K,
+                mask=jn_mask,
+                other=0.0,
+            )
+        acc += part
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if W_SCALE == 1:
+        acc *= tl.load(scale_base[:, None] + offs_n[None, :], mask=jn_mask, other=0.0)
+    out = tl.sum(acc * weights[:, None], axis=0)  # [BLOCK_N]: the weighted sum, fp32
+    out_ptrs = out_ptr + token * stride_out_row + offs_n
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 def align_pairs_by_expert(
     topk_ids: torch.Tensor,  # [num_tokens, top_k]
     num_experts: int,
@@ -288,14 +359,23 @@ def _num_sms(device: torch.device) -> int:
     return int(driver.utils.get_device_properties(index)["multiprocessor_count"])
 
 
-def _gemv_tiles(num_pairs: int, n: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): the widest N tile (64, 32, 16) that still gives every SM two
+def _gemv_tiles(num_pairs: int, n: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the gate/up GEMV: the widest N tile (64, 32, 16) that still gives every SM two
     programs. At batch 1 (8 pairs) a 64-wide tile would start only 96 programs for a
     768-wide expert and leave most of an H200's 132 SMs idle while weights stream in."""
     for block_n in (64, 32):
         if num_pairs * triton.cdiv(n, block_n) >= 2 * _num_sms(device):
-            return block_n, 128
-    return 16, 128
+            return block_n, 128, 4
+    return 16, 128, 4
+
+
+def _down_sum_tiles(num_tokens: int, n: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the down-and-sum kernel: the widest N tile (64 .. 8) that
+    gives every SM two programs (one token: 2048 outputs in 256 tiles of 8)."""
+    for block_n in (64, 32, 16):
+        if num_tokens * triton.cdiv(n, block_n) >= 2 * _num_sms(device):
+            return block_n, 64, 4
+    return 8, 64, 4
 
 
 def _gemm_tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
@@ -351,7 +431,7 @@ def _launch(
     )
     strides = (a.stride(0), out.stride(0), w.stride(0), w.stride(1))
     if alignment is None:
-        block_n, block_k = _gemv_tiles(num_pairs, n, out.device)
+        block_n, block_k, num_warps = _gemv_tiles(num_pairs, n, out.device)
     else:
         _, block_n, block_k, num_warps = _gemm_tiles(num_pairs, w.shape[0])
     scale = topk_weights  # any fp32 pointer; never read without scales
@@ -368,7 +448,7 @@ def _launch(
         grid = (num_pairs, triton.cdiv(n, block_n))
         _fused_moe_gemv_kernel[grid](
             out, a, w, scale, topk_weights, topk_ids, n, k, *strides,
-            **common, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+            **common, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
         )  # fmt: skip
         return
     sorted_pair_ids, block_expert_ids, num_padded, block_m = alignment
@@ -377,6 +457,32 @@ def _launch(
         out, a, w, scale, topk_weights, sorted_pair_ids, block_expert_ids, num_padded,
         n, k, num_pairs, *strides,
         **common, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def _launch_down_sum(
+    out: torch.Tensor,  # [num_tokens, n]
+    inter: torch.Tensor,  # [num_pairs, k]
+    w2: torch.Tensor,  # [E, n, k]
+    scales: ExpertScales | None,
+    pair_weights: torch.Tensor,  # [num_pairs] fp32
+    pair_experts: torch.Tensor,  # [num_pairs] i32
+) -> None:
+    num_tokens, n = out.shape
+    top_k = inter.shape[0] // num_tokens
+    block_n, block_k, num_warps = _down_sum_tiles(num_tokens, n, out.device)
+    scale, scale_strides = pair_weights, (0, 0)  # any fp32 pointer; unread without scales
+    scale_constexprs = dict(W_SCALE=_NO_SCALE, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1)
+    if scales is not None:
+        scale = scales.scale
+        scale_strides, scale_constexprs, block_k = scales.kernel_args(block_k)
+    grid = (num_tokens, triton.cdiv(n, block_n))
+    _fused_moe_down_sum_kernel[grid](
+        out, inter, w2, scale, pair_weights, pair_experts,
+        n, inter.shape[1], inter.stride(0), out.stride(0), w2.stride(0), w2.stride(1),
+        *scale_strides, TOP_K=top_k, **scale_constexprs,
+        BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -435,6 +541,10 @@ def fused_moe(
         inter_out, x, w13, w13_scales, pair_weights, pair_experts, alignment, top_k, True, act,
         False,
     )  # fmt: skip
+    if use_gemv:  # down projection and the weighted sum over the k pairs in one kernel
+        out = torch.empty_like(x)  # [T, H]
+        _launch_down_sum(out, inter_out, w2, w2_scales, pair_weights, pair_experts)
+        return out
     pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [P, H]
     _launch(
         pair_out, inter_out, w2, w2_scales, pair_weights, pair_experts, alignment, 1, False, act,

@@ -70,22 +70,19 @@ class RouterSpec:
 def select_experts(
     router_logits: torch.Tensor,  # [num_tokens, num_experts]
     spec: RouterSpec,
+    expert_scale: torch.Tensor | None = None,  # [num_experts]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(topk_weights, topk_ids)``, both ``[num_tokens, top_k]``; ids in descending score
-    order (``torch.topk``), weights fp32 unless ``spec.round_weights``."""
-    logits = router_logits.float()
-    if spec.scoring == "softmax":
-        scores = logits.softmax(dim=-1)
-    elif spec.scoring == "sigmoid":
-        scores = logits.sigmoid()
-    else:
-        raise ValueError(f"router scoring must be softmax or sigmoid, got {spec.scoring!r}")
-    topk_weights, topk_ids = torch.topk(scores, spec.top_k, dim=-1)  # each [num_tokens, k]
-    if spec.renormalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    if spec.round_weights:
-        topk_weights = topk_weights.to(router_logits.dtype)
-    return topk_weights, topk_ids
+    order, weights fp32 unless ``spec.round_weights``, times ``expert_scale[ids]`` when
+    given. One Triton kernel on a GPU (``kernels/moe_routing.py``), its torch twin
+    elsewhere."""
+    from vtllm.worker.kernels import moe_routing
+
+    route = moe_routing.moe_route if router_logits.is_cuda else moe_routing.moe_route_ref
+    return route(
+        router_logits, spec.top_k, spec.scoring, spec.renormalize, spec.round_weights,
+        expert_scale,
+    )  # fmt: skip
 
 
 def _empty_param(*shape: int) -> nn.Parameter:

@@ -416,8 +416,8 @@ class Gemma4Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.norm(x) * self.scale * self.root_size  # [num_tokens, hidden]
-        topk_weights, topk_ids = select_experts(self.proj(h), self.spec)  # [num_tokens, k]
-        return topk_weights * self.per_expert_scale[topk_ids], topk_ids
+        # [num_tokens, k] each
+        return select_experts(self.proj(h), self.spec, expert_scale=self.per_expert_scale)
 
 
 class StackedExperts(FusedMoE):
