@@ -110,8 +110,9 @@ for phase in "$@"; do
       done
       grep -E "execute_ms|device_us_per_step" "$OUT/profile_moe.txt" ;;
     moe-gpu-tests)
-      timeout 300 python3 -m pytest -m gpu -q -rP -p no:cacheprovider tests/worker/kernels \
-        tests/worker/test_gpu_moe.py tests/worker/test_gpu_fp8.py tests/worker/test_gpu_gemma4.py \
+      timeout 240 python3 -m pytest -m gpu -q -rP -p no:cacheprovider --durations=10 \
+        tests/worker/kernels/test_fused_moe.py tests/worker/kernels/test_moe_routing.py \
+        tests/worker/kernels/test_fp8_matmul.py tests/worker/test_gpu_moe.py \
         >> "$OUT/gpu_tests.txt" 2>&1 ;;
     profile)
       for args in "--batch 1" "--batch 1 --eager" "--batch 64"; do
