@@ -30,6 +30,7 @@ from vtllm.worker.kernels import (
     fused_moe,
     moe_routing,
     paged_attention,
+    qkv_prep,
     reshape_and_cache,
     rms_norm,
     rotary,
@@ -235,6 +236,23 @@ VARIANTS = [
         dict(A_PAIRS_PER_ROW=1, GATED=False, ACTIVATION=0, MUL_WEIGHT=True)
         | dict(W_SCALE=1, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1, BLOCK_N=64, BLOCK_K=128),
         fp8_pointers=("w_ptr",),
+    ),
+    Variant(
+        "qkv_prep/bf16-qk-norm",
+        qkv_prep._qkv_prep_kernel,
+        "bf16",
+        dict(HEAD_DIM=128, HEAD_DIM_PAD=128, HALF=64, NORM=1, WEIGHT_OFFSET=1.0)
+        | dict(BLOCK_SIZE=16, QUANTIZE=False, FP8_MAX=0.0),
+        num_warps=1,
+    ),
+    Variant(
+        "qkv_prep/fp16-gemma-norm-fp8-cache",
+        qkv_prep._qkv_prep_kernel,
+        "fp16",
+        dict(HEAD_DIM=256, HEAD_DIM_PAD=256, HALF=64, NORM=2, WEIGHT_OFFSET=1.0)
+        | dict(BLOCK_SIZE=16, QUANTIZE=True, FP8_MAX=448.0),
+        num_warps=2,
+        fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
     ),
     Variant(
         "fused_moe_down_sum/bf16-top8",

@@ -69,10 +69,12 @@ def test_refusals_name_the_numbers(device):
 
 @gpu
 def test_gpu_bf16_router_of_qwen3_30b_a3b(device, generator):
-    """bf16 logits of 256 tokens: the kernel and torch agree on every expert id (random
-    logits have no near-ties at this size) and on the weights to fp32 rounding."""
+    """bf16 logits of 256 tokens (many exact ties: bf16 keeps 8 bits): the kernel and
+    torch pick experts of the same scores in the same order, with the same weights."""
     logits = torch.randn(256, 128, generator=generator).to(device, torch.bfloat16)
     weights, ids = moe_route(logits, 8, "softmax", True, round_weights=True)
     ref_weights, ref_ids = moe_route_ref(logits, 8, "softmax", True, round_weights=True)
-    assert torch.equal(ids.long(), ref_ids)
+    scores = logits.float().softmax(-1)
+    assert torch.equal(scores.gather(1, ids.long()), scores.gather(1, ref_ids))
+    assert (ids.long() == ref_ids).float().mean() > 0.9  # ties aside, the same ids
     torch.testing.assert_close(weights.float(), ref_weights.float(), atol=4e-3, rtol=1e-2)

@@ -183,15 +183,21 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, hd]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        rotary(positions, q, k)  # in place
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         k_cache, v_cache = kv_cache
-        write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
+        if qkv.is_cuda:  # q/k norm, rope and the cache write in one kernel
+            q = self._prep_on_gpu(qkv, positions, rotary, k_cache, v_cache, metadata)
+        else:
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, heads, hd]
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, hd]
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            rotary(positions, q, k)  # in place
+            write_kv_cache(
+                k, v, k_cache, v_cache, metadata.slot_mapping, self.k_scale, self.v_scale
+            )
         o = paged_attention(
             q,
             k_cache,
@@ -203,6 +209,31 @@ class LlamaAttention(nn.Module):
             self.v_scale,
         )  # [num_tokens, heads, head_dim]
         return self.o_proj(o.reshape(num_tokens, q_size))  # [num_tokens, hidden]
+
+    def _prep_on_gpu(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q ``[num_tokens, heads, head_dim]`` from ``kernels/qkv_prep.py``, k and v
+        written to the cache (what the CPU branch of ``forward`` does in several steps)."""
+        from vtllm.worker.kernels.qkv_prep import qkv_prep
+
+        norm = self.q_norm
+        return qkv_prep(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions,
+            rotary.cos_sin_cache, k_cache, v_cache, metadata.slot_mapping,
+            q_norm=None if norm is None else norm.weight,
+            k_norm=None if norm is None else self.k_norm.weight,
+            eps=1e-6 if norm is None else norm.eps,
+            gemma_norm=norm is not None and norm.gemma,
+            weight_offset=1.0 if norm is None else norm.weight_offset,
+            k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip
 
 
 class LlamaMLP(nn.Module):

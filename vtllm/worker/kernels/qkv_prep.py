@@ -1,0 +1,229 @@
+"""From the fused qkv projection to attention's inputs in one kernel: per-head q/k RMSNorm
+(optional), rotary on q and k, q written out and k/v stored in the paged cache.
+
+A decode step used to run up to six kernels a layer for this (a copy and a norm for q, the
+same for k, rotary, the cache write); at batch 1 each is a few microseconds of launch and
+tail for a few hundred bytes. One program per (token, head)::
+
+    qkv[t] = [ q_0 .. q_{H-1} | k_0 .. k_{KV-1} | v_0 .. v_{KV-1} ]   (head_dim each)
+    head h < H:   q_out[t, h] = rope(norm_q(q_h))
+    head H + j:   k_cache[slot] [j] = rope(norm_k(k_j)),  v_cache[slot] [j] = v_j
+                  (nothing stored for slot -1: padding; FP8 caches quantised as in
+                  ``reshape_and_cache.py``)
+
+The arithmetic is that of the kernels it replaces (equal to the unfused sequence up to the
+fp32 summation order inside the norm and fused multiply-adds): the norm (``rms_norm.py``: Llama rounds before the weight, Gemma after)
+rounds to the activation dtype, then the rotation (``rotary.py``, NeoX halves over the
+first ``rotary_dim`` dims) runs in fp32 and rounds once. The rotation reads each lane's
+partner (``d ± rotary_dim/2``) with a second load instead of shuffling registers.
+``qkv_prep_ref`` is that unfused sequence of torch references.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vtllm.worker.kernels._triton import tl, triton
+from vtllm.worker.kernels.reshape_and_cache import _check_scales, reshape_and_cache_ref
+from vtllm.worker.kernels.rms_norm import rms_norm_ref
+from vtllm.worker.kernels.rotary import rotary_embedding_ref
+
+# NORM constexpr: no q/k norm, Llama/Qwen3 RMSNorm, Gemma RMSNorm (1 + w, or w for Gemma 4)
+NO_NORM, LLAMA_NORM, GEMMA_NORM = 0, 1, 2
+
+
+@triton.jit
+def _normed(x, rstd, w_ptr, offs, mask, NORM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr):
+    """``x`` (activation dtype) normed with the row's ``rstd``, in the activation dtype,
+    rounded exactly as ``_rms_norm_kernel`` rounds."""
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    if NORM == 2:
+        return (x.to(tl.float32) * rstd * (WEIGHT_OFFSET + w.to(tl.float32))).to(x.dtype)
+    return (x.to(tl.float32) * rstd).to(x.dtype) * w.to(x.dtype)
+
+
+@triton.jit
+def _qkv_prep_kernel(
+    q_out_ptr,  # [num_tokens, num_heads, HEAD_DIM] contiguous
+    qkv_ptr,  # [num_tokens, (num_heads + 2 * num_kv_heads) * HEAD_DIM], last axis contiguous
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    v_cache_ptr,
+    q_norm_ptr,  # [HEAD_DIM]; read when NORM
+    k_norm_ptr,
+    positions_ptr,  # [num_tokens]
+    cos_sin_cache_ptr,  # [max_position, 2 * HALF] fp32: cos | sin
+    slot_mapping_ptr,  # [num_tokens]; -1 = padding
+    k_scale_ptr,  # [] fp32, read when QUANTIZE
+    v_scale_ptr,
+    stride_qkv_token,
+    stride_cache_pos,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    num_heads,
+    num_kv_heads,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    HALF: tl.constexpr,  # rotary_dim // 2
+    NORM: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    is_q = head < num_heads
+    offs = tl.arange(0, HEAD_DIM_PAD)
+    mask = offs < HEAD_DIM
+    rotated = offs < 2 * HALF
+    partner = tl.where(offs < HALF, offs + HALF, offs - HALF)  # the other half's lane
+    row = qkv_ptr + token * stride_qkv_token + head * HEAD_DIM  # q heads, then k heads
+    x = tl.load(row + offs, mask=mask, other=0.0)  # [HEAD_DIM_PAD]
+    x_partner = tl.load(row + partner, mask=mask & rotated, other=0.0)
+    if NORM != 0:
+        x32 = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / HEAD_DIM + eps)
+        if is_q:
+            x_partner = _normed(x_partner, rstd, q_norm_ptr, partner, mask, NORM, WEIGHT_OFFSET)
+            x = _normed(x, rstd, q_norm_ptr, offs, mask, NORM, WEIGHT_OFFSET)
+        else:
+            x_partner = _normed(x_partner, rstd, k_norm_ptr, partner, mask, NORM, WEIGHT_OFFSET)
+            x = _normed(x, rstd, k_norm_ptr, offs, mask, NORM, WEIGHT_OFFSET)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cache_row = cos_sin_cache_ptr + pos * stride_cache_pos
+    lane = offs % HALF
+    cos = tl.load(cache_row + lane, mask=rotated, other=1.0)
+    sin = tl.load(cache_row + HALF + lane, mask=rotated, other=0.0)
+    sign = tl.where(offs < HALF, -1.0, 1.0)  # (x1 cos - x2 sin, x2 cos + x1 sin)
+    out = x.to(tl.float32) * cos + sign * x_partner.to(tl.float32) * sin
+    out = tl.where(rotated, out, x.to(tl.float32)).to(x.dtype)
+    if is_q:
+        tl.store(q_out_ptr + (token * num_heads + head) * HEAD_DIM + offs, out, mask=mask)
+    else:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:
+            kv_head = head - num_heads
+            block_id = slot // BLOCK_SIZE
+            slot_in_block = slot % BLOCK_SIZE
+            v_row = qkv_ptr + token * stride_qkv_token + (head + num_kv_heads) * HEAD_DIM
+            v = tl.load(v_row + offs, mask=mask, other=0.0)
+            k_dst = block_id * stride_kc_block + slot_in_block * stride_kc_slot
+            v_dst = block_id * stride_vc_block + slot_in_block * stride_vc_slot
+            k_dst += kv_head * stride_kc_head
+            v_dst += kv_head * stride_vc_head
+            if QUANTIZE:
+                k = tl.clamp(tl.div_rn(out.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX)
+                v = tl.clamp(tl.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX)
+            else:
+                k = out
+            tl.store(k_cache_ptr + k_dst + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + v_dst + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_cache, slots):
+    num_tokens = qkv.shape[0]
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(-1) != 1:
+        raise ValueError(
+            f"qkv {tuple(qkv.shape)}: expected [num_tokens, {width}] with a contiguous last "
+            f"axis for {num_heads} q heads + 2 x {num_kv_heads} kv heads of {head_dim}"
+        )
+    if positions.shape != (num_tokens,) or slots.shape != (num_tokens,):
+        raise ValueError(
+            f"positions {tuple(positions.shape)} / slot_mapping {tuple(slots.shape)} for "
+            f"{num_tokens} tokens"
+        )
+    rotary_dim = cos_sin_cache.shape[1]
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_dim {head_dim}")
+    if k_cache.shape[2:] != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"cache holds [{', '.join(map(str, k_cache.shape[2:]))}] per slot, the layer "
+            f"[{num_kv_heads}, {head_dim}]"
+        )
+
+
+def qkv_prep(
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    positions: torch.Tensor,  # [num_tokens]
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] fp32, cos | sin
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens], -1 = padding
+    q_norm: torch.Tensor | None = None,  # [head_dim]: per-head RMSNorm weights, or None
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    gemma_norm: bool = False,
+    weight_offset: float = 1.0,  # gemma_norm only: the scale is weight_offset + w
+    k_scale: torch.Tensor | None = None,  # [] fp32, FP8 caches only
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q ``[num_tokens, num_heads, head_dim]`` (new, contiguous), normed and rotated; k
+    (normed, rotated) and v stored at their slots of the caches; qkv is not modified. Same
+    contract as ``qkv_prep_ref``. ValueError on shapes that disagree or an FP8 cache without scales."""
+    _check(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_cache, slot_mapping)
+    quantize = _check_scales(k_cache, k_scale, v_scale)
+    num_tokens = qkv.shape[0]
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q
+    norm = NO_NORM if q_norm is None else GEMMA_NORM if gemma_norm else LLAMA_NORM
+    unread = cos_sin_cache  # any pointer for the arguments a constexpr leaves unread
+    _qkv_prep_kernel[(num_tokens, num_heads + num_kv_heads)](
+        q, qkv, k_cache, v_cache,
+        q_norm if q_norm is not None else unread, k_norm if k_norm is not None else unread,
+        positions, cos_sin_cache, slot_mapping,
+        k_scale if quantize else unread, v_scale if quantize else unread,
+        qkv.stride(0), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_heads, num_kv_heads, eps,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        HALF=cos_sin_cache.shape[1] // 2, NORM=norm, WEIGHT_OFFSET=weight_offset,
+        BLOCK_SIZE=k_cache.shape[1], QUANTIZE=quantize,
+        FP8_MAX=torch.finfo(k_cache.dtype).max if quantize else 0.0,
+        num_warps=1 if head_dim <= 128 else 2,
+    )  # fmt: skip
+    return q
+
+
+def qkv_prep_ref(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    gemma_norm: bool = False,
+    weight_offset: float = 1.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch ``qkv_prep`` (same contract): the unfused norm, rotary and cache write."""
+    _check(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_cache, slot_mapping)
+    num_tokens = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(num_tokens, num_heads, head_dim).clone()  # qkv itself is left as it was
+    k = k.reshape(num_tokens, num_kv_heads, head_dim).clone()
+    v = v.view(num_tokens, num_kv_heads, head_dim)
+    if q_norm is not None and k_norm is not None:
+        q = rms_norm_ref(q, q_norm, eps, gemma=gemma_norm, weight_offset=weight_offset)[0]
+        k = rms_norm_ref(k, k_norm, eps, gemma=gemma_norm, weight_offset=weight_offset)[0]
+    rotary_embedding_ref(positions, q, k, cos_sin_cache)
+    reshape_and_cache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q
