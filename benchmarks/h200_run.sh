@@ -25,7 +25,7 @@
 #   kernels-b1    benchmarks/fp8_decode.py --kernels-only: qkv / o / MoE layer at one token,
 #                 bf16 vs FP8
 #   profile-moe   profile_decode.py --kernels on the Qwen3-30B-A3B shape, batch 1, graphs
-#                 and eager (device kernels per step)
+#                 (the device kernels of a step)
 #   moe-gpu-tests the GPU tests of the MoE and FP8 kernels and layers
 # HTTP vs offline on one shape (random weights, a synthetic tokenizer over the whole
 # vocabulary: benchmarks/http_model_dir.py), issue 13's workloads:
@@ -104,11 +104,9 @@ for phase in "$@"; do
         >> "$OUT/kernels_b1.jsonl" 2>> "$OUT/kernels_b1.log"
       tail -1 "$OUT/kernels_b1.jsonl" ;;
     profile-moe)
-      for args in "" "--eager"; do
-        timeout 150 python3 benchmarks/profile_decode.py --model-shape qwen3-30b-a3b --batch 1 \
-          --steps 50 --kernels $args >> "$OUT/profile_moe.txt" 2>&1
-      done
-      grep -E "execute_ms|device_us_per_step" "$OUT/profile_moe.txt" ;;
+      timeout 150 python3 benchmarks/profile_decode.py --model-shape qwen3-30b-a3b --batch 1 \
+        --steps 50 --kernels >> "$OUT/profile_moe.txt" 2>&1
+      grep -E -A42 "device_us_per_step" "$OUT/profile_moe.txt" | cut -c1-150 ;;
     moe-gpu-tests)
       timeout 240 python3 -m pytest -m gpu -q -rP -p no:cacheprovider --durations=10 \
         tests/worker/kernels/test_fused_moe.py tests/worker/kernels/test_moe_routing.py \
