@@ -24,8 +24,8 @@
 #   fp8-sweep     benchmarks/fp8_decode.py --sweep 1: dense FP8 launch configurations at one token
 #   kernels-b1    benchmarks/fp8_decode.py --kernels-only: qkv / o / MoE layer at one token,
 #                 bf16 vs FP8
-#   profile-moe   profile_decode.py --kernels on the Qwen3-30B-A3B shape, batch 1, graphs
-#                 (the device kernels of a step)
+#   kprofile-SHAPE  profile_decode.py --kernels on SHAPE at batch 1 with graphs: the device
+#                 kernels of a step, largest first
 #   moe-gpu-tests the GPU tests of the MoE and FP8 kernels and layers
 # HTTP vs offline on one shape (random weights, a synthetic tokenizer over the whole
 # vocabulary: benchmarks/http_model_dir.py), issue 13's workloads:
@@ -103,10 +103,11 @@ for phase in "$@"; do
       timeout 120 python3 benchmarks/fp8_decode.py --model-shape qwen3-30b-a3b --kernels-only \
         >> "$OUT/kernels_b1.jsonl" 2>> "$OUT/kernels_b1.log"
       tail -1 "$OUT/kernels_b1.jsonl" ;;
-    profile-moe)
-      timeout 150 python3 benchmarks/profile_decode.py --model-shape qwen3-30b-a3b --batch 1 \
-        --steps 50 --kernels >> "$OUT/profile_moe.txt" 2>&1
-      grep -E -A42 "device_us_per_step" "$OUT/profile_moe.txt" | cut -c1-150 ;;
+    kprofile-*)
+      shape=${phase#kprofile-}
+      timeout 150 python3 benchmarks/profile_decode.py --model-shape "$shape" --batch 1 \
+        --steps 50 --kernels >> "$OUT/kprofile_$shape.txt" 2>&1
+      grep -E -A42 "device_us_per_step" "$OUT/kprofile_$shape.txt" | cut -c1-150 ;;
     moe-gpu-tests)
       timeout 240 python3 -m pytest -m gpu -q -rP -p no:cacheprovider --durations=10 \
         tests/worker/kernels/test_fused_moe.py tests/worker/kernels/test_moe_routing.py \
