@@ -11,7 +11,10 @@ a new block every 16 steps) and times, per step, on the CPU device:
 * ``stage``: the decode-graph path, ``DecodeInputs.fits`` + ``stage`` into the host
   buffer and its copy to the (CPU) device buffer;
 
-and reports medians over ``--steps`` steps. The baseline is the same loop over another
+and, for the whole step, ``ModelRunner.execute`` around a stub model (a forward that
+returns zeros, logits of a 1000-token vocabulary, greedy sampling): ``execute_eager``
+(Triton metadata, eager) and ``execute_graph`` (the decode-graph path, padded, without
+graphs on CPU). It reports medians over ``--steps`` steps. The baseline is the same loop over another
 commit's ``vtllm`` (``--baseline-ref``, extracted with ``git archive`` into a temporary
 directory; nothing in the checkout changes), each configuration in its own process, the
 two interleaved::
@@ -35,7 +38,16 @@ REPO = Path(__file__).resolve().parents[1]
 # main before the persistent input batch (the last commit whose steps rebuilt whole
 # block tables from lists)
 BASELINE_REF = "e6089f1"
-FIELDS = ("build", "stage", "metadata_triton", "metadata_torch", "graph_step", "eager_step")
+FIELDS = (
+    "build",
+    "stage",
+    "metadata_triton",
+    "metadata_torch",
+    "graph_step",
+    "eager_step",
+    "execute_graph",
+    "execute_eager",
+)
 
 
 def main() -> None:
@@ -170,8 +182,94 @@ def measure(n: int, context: int, block_size: int, steps: int, warmup: int) -> d
             for rid in ids
         ]
         step = SchedulerOutput(step_id + 1, [], cached, {rid: 1 for rid in ids})
+    times["execute_graph"] = measure_execute(n, context, block_size, steps, warmup, True)
+    times["execute_eager"] = measure_execute(n, context, block_size, steps, warmup, False)
     medians = {name: round(statistics.median(v) * 1e3, 4) for name, v in times.items()}
     return {"persistent": persistent, **medians}
+
+
+def measure_execute(
+    n: int, context: int, block_size: int, steps: int, warmup: int, graphs: bool
+) -> list[float]:
+    """Seconds of ``ModelRunner.execute`` per decode step around a stub model, through
+    the decode-graph path (``graphs``: padded inputs, run eagerly on CPU) or eagerly."""
+    import torch
+    from torch import nn
+
+    from vtllm.protocol.messages import (
+        CachedRequestData,
+        NewRequestData,
+        SamplingParams,
+        SchedulerOutput,
+    )
+    from vtllm.worker.model_runner import ModelRunner
+    from vtllm.worker.platform import cpu_platform
+
+    class StubModel(nn.Module):
+        """Zeros for hidden states: only the runner's own host work is left."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = nn.Parameter(torch.randn(8, 1000))
+            attn = nn.Module()
+            attn.num_kv_heads = 1  # read by capture_decode_graphs
+            layer = nn.Module()
+            layer.self_attn = attn
+            self.model = nn.Module()
+            self.model.layers = [layer]
+
+        def kv_cache_specs(self) -> list[tuple[int, int]]:
+            return [(1, 8)]
+
+        def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
+            return torch.zeros(len(input_ids), 8)  # [num_tokens, hidden]
+
+        def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+            return hidden @ self.lm_head  # [rows, vocab]
+
+    blocks_per_seq = -(-(context + warmup + steps) // block_size)
+    runner = ModelRunner(StubModel(), torch.device("cpu"), torch.float32, 1000, seed=0)
+    runner.init_kv_cache(n * blocks_per_seq + 1, block_size)
+    runner.attention_backend = "triton"
+    if graphs:
+        runner.capture_decode_graphs(cpu_platform(), n, 2 * context, use_graphs=False)
+    free_blocks = list(range(1, n * blocks_per_seq + 1))
+    ids = [f"req-{i}" for i in range(n)]
+    greedy = SamplingParams(temperature=0.0)
+    prompt = list(range(context))
+    step = SchedulerOutput(
+        0,
+        [
+            NewRequestData(
+                rid,
+                prompt,
+                context,
+                greedy,
+                [free_blocks.pop() for _ in range(-(-context // block_size))],
+                context - 1,
+            )
+            for rid in ids
+        ],
+        [],
+        {rid: 1 for rid in ids},
+    )
+    times = []
+    num_computed = context - 1
+    for step_id in range(warmup + steps):
+        started = time.perf_counter()
+        output = runner.execute(step)
+        times.append(time.perf_counter() - started)
+        assert output is not None and not output.errors and len(output.request_ids) == n
+        num_computed += 1
+        needs_block = num_computed % block_size == 0
+        cached = [
+            CachedRequestData(
+                rid, [token], [free_blocks.pop()] if needs_block else [], num_computed
+            )
+            for rid, token in zip(output.request_ids, output.sampled_token_ids, strict=True)
+        ]
+        step = SchedulerOutput(step_id + 1, [], cached, {rid: 1 for rid in ids})
+    return times[warmup:]
 
 
 def print_table(rows: list[dict], baseline_ref: str) -> None:

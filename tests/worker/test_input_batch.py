@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from vtllm.protocol.messages import (
     CachedRequestData,
     NewRequestData,
+    PoolingType,
     SamplingParams,
     SchedulerOutput,
 )
@@ -32,6 +33,7 @@ from vtllm.worker.platform import cpu_platform
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0.0)
+POOLING = SamplingParams(temperature=0.0, pooling=PoolingType.LAST)
 
 
 def test_block_table_rows_grow_and_are_reused_zeroed():
@@ -61,6 +63,7 @@ class SimRequest:
     token_ids: list[int]
     num_prompt_tokens: int
     block_ids: list[int]
+    params: SamplingParams = GREEDY
     num_computed_tokens: int = 0
     num_tokens_sent: int = 0
     sent: bool = False
@@ -74,6 +77,7 @@ class Engine:
         self.free_blocks = list(range(1, 4000))
         self.finished: list[str] = []
         self.next_id = 0
+        self.pooling: set[str] = set()  # every request created with a pooling param
         self.step_id = 0
 
     def end(self, request_id: str) -> None:
@@ -184,11 +188,13 @@ def assert_staged_matches(inputs: DecodeInputs, batch: StepBatch, want: dict) ->
 
 OPERATIONS = st.lists(
     st.tuples(
-        st.sampled_from(["add", "add", "step", "step", "step", "end", "preempt", "fault"]),
+        st.sampled_from(
+            ["add", "add", "step", "step", "decode", "decode", "end", "preempt", "fault"]
+        ),
         st.integers(0, 2**16),
     ),
-    min_size=1,
-    max_size=40,
+    min_size=10,
+    max_size=60,
 )
 
 
@@ -198,7 +204,7 @@ def test_persistent_state_matches_a_rebuild_from_lists(operations):
     states = RequestStates(lambda params, num_outputs: None)
     twin = RequestStates(lambda params, num_outputs: None)  # another rank, same deltas
     staging = DecodeInputs(
-        max_batch=6, blocks_per_seq=8, block_size=BLOCK_SIZE, platform=cpu_platform()
+        max_batch=8, blocks_per_seq=16, block_size=BLOCK_SIZE, platform=cpu_platform()
     )
     engine = Engine()
     for op, seed in operations:
@@ -208,16 +214,19 @@ def test_persistent_state_matches_a_rebuild_from_lists(operations):
             request_id = f"r{engine.next_id}"
             engine.next_id += 1
             prompt = rng.integers(0, 1000, size=int(rng.integers(1, 30))).tolist()
-            engine.requests[request_id] = SimRequest(prompt, len(prompt), [])
+            params = POOLING if rng.random() < 0.3 else GREEDY
+            engine.requests[request_id] = SimRequest(prompt, len(prompt), [], params)
+            if params is POOLING:
+                engine.pooling.add(request_id)
         elif op in ("end", "preempt") and live:
             victim = live[int(rng.integers(len(live)))]
             if op == "end":
                 engine.end(victim)
             else:
                 engine.preempt(victim)
-        elif op in ("step", "fault"):
+        elif op in ("step", "decode", "fault"):
             fault = rng.integers(4) if op == "fault" else None
-            step, known = send_step(engine, rng, fault)
+            step, known = send_step(engine, rng, fault, decode_only=op == "decode")
             want = expected_step(engine, step.num_scheduled_tokens, known)
             errors = states.update(step)
             twin.update(step)
@@ -234,18 +243,22 @@ def test_persistent_state_matches_a_rebuild_from_lists(operations):
             if request.sent:
                 assert states.block_ids(request_id) == request.block_ids
         assert states.block_table.num_live_rows == len(states)
+        assert states.pooling_ids == {r for r in engine.pooling if r in states}
 
 
-def send_step(engine: Engine, rng: np.random.Generator, fault) -> tuple[SchedulerOutput, set]:
-    """Schedule some requests (chunks, decodes, blocks ahead), with ``fault`` 0..3 one
-    kind of malformed step. Returns the step and the ids the worker will know."""
+def send_step(
+    engine: Engine, rng: np.random.Generator, fault, decode_only: bool = False
+) -> tuple[SchedulerOutput, set]:
+    """Schedule some requests (chunks, decodes, blocks ahead; ``decode_only``: only the
+    requests that decode), with ``fault`` 0..3 one kind of malformed step. Returns the
+    step and the ids the worker will know."""
     new, cached, schedule = [], [], {}
     for request_id in sorted(engine.requests):
         request = engine.requests[request_id]
         remaining = len(request.token_ids) - request.num_computed_tokens
-        if remaining < 1 or rng.random() < 0.2:
+        if remaining < 1 or (decode_only and remaining > 1) or rng.random() < 0.2:
             continue
-        num = int(rng.integers(1, remaining + 1))
+        num = remaining if rng.random() < 0.5 else int(rng.integers(1, remaining + 1))
         end = request.num_computed_tokens + num
         needed = -(-end // BLOCK_SIZE) + int(rng.integers(0, 3)) - len(request.block_ids)
         new_blocks = [engine.free_blocks.pop() for _ in range(max(0, needed))]
@@ -257,7 +270,7 @@ def send_step(engine: Engine, rng: np.random.Generator, fault) -> tuple[Schedule
                     request_id,
                     list(request.token_ids),
                     request.num_prompt_tokens,
-                    GREEDY,
+                    request.params,
                     list(request.block_ids),
                     request.num_computed_tokens,
                 )
@@ -334,3 +347,28 @@ def test_decode_step_tables_are_gathered_not_rebuilt(num_reqs):
         [3 * i + 1, 3 * i + 2, 3 * i + 3] for i in range(num_reqs)
     ]
     assert batch.slot_mapping.tolist() == [(3 * i + 3) * BLOCK_SIZE for i in range(num_reqs)]
+
+
+def test_staging_rewrites_only_rows_that_changed():
+    """The decode-graph buffer keeps table rows between steps: a row is rewritten when a
+    request gains a block or another request takes its place, even one reusing the
+    finished request's block-table row with as many blocks."""
+    states = RequestStates(lambda params, num_outputs: None)
+    staging = DecodeInputs(max_batch=2, blocks_per_seq=4, block_size=4, platform=cpu_platform())
+
+    def stage(step: SchedulerOutput) -> StepBatch:
+        states.update(step)
+        batch = states.build_step(step, BLOCK_SIZE)
+        staging.stage(batch)
+        return batch
+
+    a = NewRequestData("a", [1] * 8, 8, GREEDY, [7, 8], 7)
+    c = NewRequestData("c", [1] * 5, 5, GREEDY, [5, 6], 4)
+    stage(SchedulerOutput(0, [a, c], [], {"a": 1, "c": 1}))
+    stage(SchedulerOutput(1, [], [CachedRequestData("a", [2], [4], 8)], {"a": 1, "c": 1}))
+    assert staging.host_view("block_tables")[:2, :3].tolist() == [[7, 8, 4], [5, 6, 0]]
+    b = NewRequestData("b", [2] * 5, 5, GREEDY, [3, 9], 4)  # a's row, as many blocks as c
+    batch = stage(SchedulerOutput(2, [b], [], {"c": 1, "b": 1}, finished_request_ids=["a"]))
+    assert batch.table_rows.tolist() == [1, 0]  # c keeps its row, b takes a's
+    assert staging.host_view("block_tables")[:2, :2].tolist() == [[5, 6], [3, 9]]
+    assert staging.host_view("slot_mapping")[:2].tolist() == [6 * 4, 9 * 4]

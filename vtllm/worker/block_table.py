@@ -25,7 +25,9 @@ class BlockTable:
 
     Contract: ``table[row, :num_blocks[row]]`` are the row's block ids in order, and every
     entry past ``num_blocks[row]`` (and every entry of a free row) is 0, so that any
-    ``table[rows, :w]`` is a 0-padded table of valid block ids. ``table`` may be
+    ``table[rows, :w]`` is a 0-padded table of valid block ids. A row only grows between
+    ``add`` and ``free``, and each ``add`` gives it a new ``serials[row]``: equal
+    ``(serials[row], num_blocks[row])`` at two times mean equal contents. ``table`` may be
     reallocated by ``add`` and ``append``: views taken earlier stay consistent with the
     state they were taken from, not with later changes.
     """
@@ -33,6 +35,10 @@ class BlockTable:
     def __init__(self, num_rows: int = 16, width: int = 16) -> None:
         self.table = np.zeros((max(num_rows, 1), max(width, 1)), dtype=np.int32)
         self.num_blocks = np.zeros(max(num_rows, 1), dtype=np.int64)  # [capacity]
+        # [capacity] a number no other ``add`` gave: (serial, num_blocks) names a row's
+        # content, so a copy of it elsewhere can tell whether it is still current
+        self.serials = np.zeros(max(num_rows, 1), dtype=np.int64)
+        self._next_serial = 1
         self._free_rows = list(range(len(self.num_blocks) - 1, -1, -1))  # pop() gives 0 first
 
     @property
@@ -46,8 +52,11 @@ class BlockTable:
             old = len(self.num_blocks)
             self.table = _grown(self.table, 2 * old, self.table.shape[1])
             self.num_blocks = np.concatenate([self.num_blocks, np.zeros(old, np.int64)])
+            self.serials = np.concatenate([self.serials, np.zeros(old, np.int64)])
             self._free_rows = list(range(2 * old - 1, old - 1, -1))
         row = self._free_rows.pop()
+        self.serials[row] = self._next_serial
+        self._next_serial += 1
         self.append(row, block_ids)
         return row
 

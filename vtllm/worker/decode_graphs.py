@@ -99,6 +99,10 @@ class DecodeInputs:
         host("seq_lens")[:] = 1
         host("slot_mapping")[:] = -1
         self.device_buffer.copy_(self.host)
+        # what host table row i holds: the BlockTable row's (serial, num_blocks) it was
+        # copied from (-1: nothing yet), so that a step rewrites only rows that changed
+        self._staged_serials = np.full(b, -1, dtype=np.int64)
+        self._staged_blocks = np.zeros(b, dtype=np.int64)
 
     def host_view(self, name: str) -> np.ndarray:
         start, end = self._offsets[name]
@@ -127,8 +131,10 @@ class DecodeInputs:
         sampling waits for the step, and other ranks get the next step only after rank 0
         sampled, which waited on their all-reduces, queued behind their copies.
 
-        Every write is one vectorised numpy copy (the batch's tables are gathered from
-        the worker's persistent block table in one go): no loop over requests."""
+        Every write is one vectorised numpy copy, and of the tables only the rows that
+        differ from what the buffer holds (a new request in that place, or a new block)
+        are gathered from the worker's persistent block table: in a run of decode steps,
+        about one row in ``block_size``. No loop over requests."""
         n = batch.num_reqs
         host = self.host_view
         host("input_ids")[:n] = batch.input_ids
@@ -143,7 +149,16 @@ class DecodeInputs:
         # reads no key past seq_len. Table rows >= n are not copied: a padding row reads
         # one key of whatever block its stale row names (finite values; output dropped)
         width = batch.max_num_blocks
-        host("block_tables")[:n, :width] = batch.block_table[batch.table_rows, :width]
+        stale = self._staged_serials[:n] != batch.row_serials
+        stale |= self._staged_blocks[:n] != batch.num_blocks
+        changed = np.flatnonzero(stale)
+        if len(changed) == n:
+            host("block_tables")[:n, :width] = batch.block_table[batch.table_rows, :width]
+        elif len(changed):
+            rows = batch.table_rows[changed]
+            host("block_tables")[changed, :width] = batch.block_table[rows, :width]
+        self._staged_serials[:n] = batch.row_serials
+        self._staged_blocks[:n] = batch.num_blocks
         end = self._tables_start + n * self.blocks_per_seq
         self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vtllm.protocol.messages import SamplingParams, SchedulerOutput
+from vtllm.protocol.messages import PoolingType, SamplingParams, SchedulerOutput
 from vtllm.worker.block_table import BlockTable, slot_mapping_of, token_layout
 
 
@@ -61,6 +61,7 @@ class StepBatch:
     query_start_loc: np.ndarray  # [num_reqs + 1] int32, cumulative query_lens
     table_rows: np.ndarray  # [num_reqs] int64 rows of block_table
     num_blocks: np.ndarray  # [num_reqs] int64 blocks in each request's table
+    row_serials: np.ndarray  # [num_reqs] int64 BlockTable.serials of the rows
     block_table: np.ndarray  # [table rows, table width] int32 (0 past each row's blocks)
     sample_rows: list[int]  # indices into request_ids of requests that sample
     logits_indices: np.ndarray  # [num_sampling] flat index of each sampler's last token
@@ -98,6 +99,7 @@ class RequestStates:
         self._states: dict[str, RequestState] = {}
         self._make_generator = make_generator
         self.block_table = BlockTable()
+        self.pooling_ids: set[str] = set()  # the requests that pool (embeddings)
 
     def __len__(self) -> int:
         return len(self._states)
@@ -129,6 +131,8 @@ class RequestStates:
                 num_computed_tokens=new.num_computed_tokens,
                 generator=self._make_generator(new.sampling_params, num_outputs),
             )
+            if new.sampling_params.pooling != PoolingType.NONE:
+                self.pooling_ids.add(new.request_id)
         for cached in step.cached_requests:
             state = self._states.get(cached.request_id)
             if state is None:
@@ -175,8 +179,9 @@ class RequestStates:
         seq_lens: list[int] = []
         input_ids: list[int] = []
         sample_rows: list[int] = []
+        get_state = self._states.get  # the loop below runs once per request per step
         for request_id, num_scheduled in step.num_scheduled_tokens.items():
-            state = self._states.get(request_id)
+            state = get_state(request_id)
             if state is None or request_id in errors:
                 errors.setdefault(request_id, _NO_STATE)
                 continue
@@ -217,6 +222,7 @@ class RequestStates:
             query_start_loc=query_start_loc,
             table_rows=table_rows,
             num_blocks=self.block_table.num_blocks[table_rows],
+            row_serials=self.block_table.serials[table_rows],
             block_table=self.block_table.table,
             sample_rows=sample_rows,
             logits_indices=last_tokens,
@@ -227,3 +233,4 @@ class RequestStates:
         state = self._states.pop(request_id, None)
         if state is not None:
             self.block_table.free(state.table_row)
+            self.pooling_ids.discard(request_id)

@@ -74,6 +74,8 @@ class Pooler:
 
     def wanted(self, batch: StepBatch, states: RequestStates) -> bool:
         """Whether any request of ``batch`` pools (most steps: none, no work)."""
+        if not states.pooling_ids:
+            return False
         for request_id in batch.request_ids:
             state = states.get(request_id)
             if state is not None and state.sampling_params.pooling != PoolingType.NONE:
