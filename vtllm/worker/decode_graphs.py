@@ -92,7 +92,11 @@ class DecodeInputs:
         self._tables_start = self._offsets["block_tables"][0]
         self.host = torch.zeros(start, dtype=torch.int32, pin_memory=platform.pin_memory)
         self.device_buffer = torch.zeros(start, dtype=torch.int32, device=platform.device)
-        self._host_np = self.host.numpy()
+        host_np = self.host.numpy()
+        self._host_views = {  # numpy views of the pinned buffer, one per field
+            name: host_np[start:end] for name, (start, end) in self._offsets.items()
+        }
+        self._host_views["block_tables"] = self._host_views["block_tables"].reshape(b, w)
         # padding rows of every size: one query token each, one key in the null block
         host = self.host_view
         host("query_start_loc")[:] = np.arange(b + 1)
@@ -103,11 +107,10 @@ class DecodeInputs:
         # copied from (-1: nothing yet), so that a step rewrites only rows that changed
         self._staged_serials = np.full(b, -1, dtype=np.int64)
         self._staged_blocks = np.zeros(b, dtype=np.int64)
+        self._num_staged = 0  # rows >= this one hold padding
 
     def host_view(self, name: str) -> np.ndarray:
-        start, end = self._offsets[name]
-        view = self._host_np[start:end]
-        return view.reshape(self.max_batch, self.blocks_per_seq) if name == "block_tables" else view
+        return self._host_views[name]
 
     def device_view(self, name: str) -> torch.Tensor:
         start, end = self._offsets[name]
@@ -136,15 +139,18 @@ class DecodeInputs:
         are gathered from the worker's persistent block table: in a run of decode steps,
         about one row in ``block_size``. No loop over requests."""
         n = batch.num_reqs
-        host = self.host_view
-        host("input_ids")[:n] = batch.input_ids
-        host("input_ids")[n:] = 0
-        host("positions")[:n] = batch.positions
-        host("positions")[n:] = 0
-        host("seq_lens")[:n] = batch.seq_lens
-        host("seq_lens")[n:] = 1
-        host("slot_mapping")[:n] = batch.slot_mapping
-        host("slot_mapping")[n:] = -1
+        host = self._host_views
+        host["input_ids"][:n] = batch.input_ids
+        host["positions"][:n] = batch.positions
+        host["seq_lens"][:n] = batch.seq_lens
+        host["slot_mapping"][:n] = batch.slot_mapping
+        if n < self._num_staged:  # rows the last step used become padding again
+            end = self._num_staged
+            host["input_ids"][n:end] = 0
+            host["positions"][n:end] = 0
+            host["seq_lens"][n:end] = 1
+            host["slot_mapping"][n:end] = -1
+        self._num_staged = n
         # columns past a row's blocks keep what an earlier step left there: the kernel
         # reads no key past seq_len. Table rows >= n are not copied: a padding row reads
         # one key of whatever block its stale row names (finite values; output dropped)
@@ -153,10 +159,10 @@ class DecodeInputs:
         stale |= self._staged_blocks[:n] != batch.num_blocks
         changed = np.flatnonzero(stale)
         if len(changed) == n:
-            host("block_tables")[:n, :width] = batch.block_table[batch.table_rows, :width]
+            host["block_tables"][:n, :width] = batch.block_table[batch.table_rows, :width]
         elif len(changed):
             rows = batch.table_rows[changed]
-            host("block_tables")[changed, :width] = batch.block_table[rows, :width]
+            host["block_tables"][changed, :width] = batch.block_table[rows, :width]
         self._staged_serials[:n] = batch.row_serials
         self._staged_blocks[:n] = batch.num_blocks
         end = self._tables_start + n * self.blocks_per_seq

@@ -61,6 +61,7 @@ class StepBatch:
     query_start_loc: np.ndarray  # [num_reqs + 1] int32, cumulative query_lens
     table_rows: np.ndarray  # [num_reqs] int64 rows of block_table
     num_blocks: np.ndarray  # [num_reqs] int64 blocks in each request's table
+    max_num_blocks: int  # the widest table of the step (0 without requests)
     row_serials: np.ndarray  # [num_reqs] int64 BlockTable.serials of the rows
     block_table: np.ndarray  # [table rows, table width] int32 (0 past each row's blocks)
     sample_rows: list[int]  # indices into request_ids of requests that sample
@@ -74,11 +75,6 @@ class StepBatch:
     @property
     def num_reqs(self) -> int:
         return len(self.request_ids)
-
-    @property
-    def max_num_blocks(self) -> int:
-        """The widest table of the step (0 without requests)."""
-        return int(self.num_blocks.max()) if self.num_reqs else 0
 
     def block_tables(self) -> np.ndarray:
         """``[num_reqs, max_num_blocks]`` int32: each request's table, 0-padded (one
@@ -210,6 +206,7 @@ class RequestStates:
         query_start_loc, token_reqs, positions = token_layout(
             query_lens_np, seq_lens_np, len(input_ids)
         )
+        num_blocks = self.block_table.num_blocks[table_rows]
         # the flat index of each sampling request's last token
         last_tokens = query_start_loc[np.array(sample_rows, dtype=np.int64) + 1] - np.int64(1)
         return StepBatch(
@@ -221,7 +218,8 @@ class RequestStates:
             seq_lens=seq_lens_np,
             query_start_loc=query_start_loc,
             table_rows=table_rows,
-            num_blocks=self.block_table.num_blocks[table_rows],
+            num_blocks=num_blocks,
+            max_num_blocks=int(num_blocks.max()) if len(rows) else 0,
             row_serials=self.block_table.serials[table_rows],
             block_table=self.block_table.table,
             sample_rows=sample_rows,
