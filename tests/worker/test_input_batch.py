@@ -372,3 +372,48 @@ def test_staging_rewrites_only_rows_that_changed():
     assert batch.table_rows.tolist() == [1, 0]  # c keeps its row, b takes a's
     assert staging.host_view("block_tables")[:2, :2].tolist() == [[5, 6], [3, 9]]
     assert staging.host_view("slot_mapping")[:2].tolist() == [6 * 4, 9 * 4]
+
+
+@pytest.mark.gpu
+def test_staging_into_pinned_memory_reaches_the_device():
+    """On a GPU the staged rows travel by an asynchronous copy from pinned memory: after
+    a run of decode steps (blocks appended, a request replaced, the batch shrinking and
+    growing) the device buffer holds what a rebuild from lists gives."""
+    from vtllm.worker.platform import detect_platform
+
+    platform = detect_platform(0)
+    states = RequestStates(lambda params, num_outputs: None)
+    staging = DecodeInputs(max_batch=8, blocks_per_seq=16, block_size=BLOCK_SIZE, platform=platform)
+    tables = {f"r{i}": [10 * i + 1, 10 * i + 2] for i in range(6)}
+    fresh_blocks = iter(range(100, 200))
+    lengths = dict.fromkeys(tables, 6)
+    new = [NewRequestData(r, [1] * 6, 6, GREEDY, t, 5) for r, t in tables.items()]
+    step = SchedulerOutput(0, new, [], dict.fromkeys(tables, 1))
+    for step_id in range(1, 12):
+        states.update(step)
+        batch = states.build_step(step, BLOCK_SIZE)
+        staging.stage(batch)
+        platform.synchronize()
+        n = batch.num_reqs
+        device_tables = staging.device_view("block_tables")[:n].cpu()
+        for r, request_id in enumerate(batch.request_ids):
+            assert device_tables[r, : len(tables[request_id])].tolist() == tables[request_id]
+        expected_slots = [
+            tables[rid][(lengths[rid] - 1) // BLOCK_SIZE] * BLOCK_SIZE
+            + (lengths[rid] - 1) % BLOCK_SIZE
+            for rid in batch.request_ids
+        ]
+        assert staging.device_view("slot_mapping")[:n].tolist() == expected_slots
+        finished = ["r1"] if step_id == 4 else []
+        new = [NewRequestData("r9", [2] * 3, 3, GREEDY, [99], 2)] if step_id == 6 else []
+        for request_id in finished:
+            del tables[request_id], lengths[request_id]
+        cached = []
+        for request_id in tables:
+            lengths[request_id] += 1
+            grown = [next(fresh_blocks)] if lengths[request_id] % BLOCK_SIZE == 1 else []
+            tables[request_id] = tables[request_id] + grown
+            cached.append(CachedRequestData(request_id, [7], grown, lengths[request_id] - 1))
+        for item in new:
+            tables[item.request_id], lengths[item.request_id] = list(item.block_ids), 3
+        step = SchedulerOutput(step_id, new, cached, dict.fromkeys(tables, 1), finished)
