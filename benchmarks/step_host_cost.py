@@ -14,12 +14,14 @@ a new block every 16 steps) and times, per step, on the CPU device:
 and, for the whole step, ``ModelRunner.execute`` around a stub model (a forward that
 returns zeros, logits of a 1000-token vocabulary, greedy sampling): ``execute_eager``
 (Triton metadata, eager) and ``execute_graph`` (the decode-graph path, padded, without
-graphs on CPU). It reports medians over ``--steps`` steps. The baseline is the same loop over another
-commit's ``vtllm`` (``--baseline-ref``, extracted with ``git archive`` into a temporary
-directory; nothing in the checkout changes), each configuration in its own process, the
-two interleaved::
+graphs on CPU). Each number is a median over ``--steps`` steps; each configuration runs
+``--repeats`` times per side, the sides alternating, and the table keeps the lowest
+median (on a shared machine, the run least disturbed by others). The baseline is the same
+loop over another commit's ``vtllm`` (``--baseline-ref``, extracted with ``git archive``
+into a temporary directory; nothing in the checkout changes), each run in its own
+process::
 
-    python benchmarks/step_host_cost.py [--baseline-ref e6089f1] [--steps 300]
+    python benchmarks/step_host_cost.py [--baseline-ref e6089f1] [--steps 300] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--context", type=int, help=argparse.SUPPRESS)
@@ -76,8 +79,12 @@ def main() -> None:
         for context in map(int, args.contexts.split(",")):
             for n in map(int, args.num_seqs.split(",")):
                 result = {"n": n, "context": context}
-                for label, root in (("baseline", baseline_root), ("persistent", str(REPO))):
-                    result[label] = run_worker(root, n, context, args)
+                runs: dict[str, list[dict]] = {"baseline": [], "persistent": []}
+                for _ in range(args.repeats):
+                    for label, root in (("baseline", baseline_root), ("persistent", str(REPO))):
+                        runs[label].append(run_worker(root, n, context, args))
+                for label, results in runs.items():
+                    result[label] = {name: min(r[name] for r in results) for name in FIELDS}
                 print(json.dumps(result), flush=True)
                 rows.append(result)
     print_table(rows, args.baseline_ref)
@@ -281,7 +288,7 @@ def print_table(rows: list[dict], baseline_ref: str) -> None:
         cells = []
         for name in FIELDS:
             before, after = row["baseline"][name], row["persistent"][name]
-            cells.append(f"{before:.3f} → {after:.3f} ({before / max(after, 1e-9):.0f}×)")
+            cells.append(f"{before:.3f} → {after:.3f} ({before / max(after, 1e-9):.1f}×)")
         print(f"| {row['n']} | {row['context']} | " + " | ".join(cells) + " |")
 
 
