@@ -223,7 +223,10 @@ def test_realistic_shape_bf16_matches_transformers(shape, tmp_path):
                 torch.testing.assert_close(actual, expected[ids], atol=0.12, rtol=0)
                 worst = max(worst, float((actual - expected[ids]).abs().max()))
                 chosen = output.sampled_token_ids[i]
-                assert expected.max() - expected[chosen] < 0.06  # greedy within bf16 noise
+                # greedy within bf16 noise: our logprobs may sit 0.12 from transformers' (above),
+                # so a near-tie may resolve the other way (0.0625 seen on the Llama-3-8B shape
+                # on 2026-12-03, when q/k rotation and the cache write became one kernel)
+                assert expected.max() - expected[chosen] < 0.12
                 same_pick += chosen == int(expected.argmax())
             schedule = {"a": 1, "b": 1}
     print(f"{shape} bf16 vs transformers: max |dlogprob| {worst:.4f}, {same_pick}/34 same pick")

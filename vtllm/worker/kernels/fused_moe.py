@@ -78,7 +78,7 @@ def _fused_moe_gemm_kernel(
     a_ptr,  # [num_pairs // A_PAIRS_PER_ROW, k]: tokens (first GEMM) or the intermediate
     w_ptr,  # [num_experts, n * (2 if GATED else 1), k]
     scale_ptr,  # fp32 [E, rows] (W_SCALE 1) or [E, cdiv(rows, SCALE_BLOCK_N), cdiv(k, bk)] (2)
-    pair_weights_ptr,  # [num_pairs] fp32; read when MUL_WEIGHT
+    pair_weights_ptr,  # [num_pairs] fp32 / bf16 / fp16; read when MUL_WEIGHT
     sorted_pair_ids_ptr,  # [max_blocks * BLOCK_M] i32; padding holds num_pairs
     block_expert_ids_ptr,  # [max_blocks] i32
     num_padded_ptr,  # [1] i32: used length of sorted_pair_ids
@@ -159,6 +159,7 @@ def _fused_moe_gemm_kernel(
         acc = _gate_activation(acc, ACTIVATION) * acc_up
     if MUL_WEIGHT:
         weights = tl.load(pair_weights_ptr + pair_ids, mask=pair_mask, other=0.0)
+        weights = weights.to(tl.float32)
         acc = acc * weights[:, None]
     out_ptrs = out_ptr + pair_ids.to(tl.int64)[:, None] * stride_out_row + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
@@ -170,7 +171,7 @@ def _fused_moe_gemv_kernel(
     a_ptr,  # [num_pairs // A_PAIRS_PER_ROW, k]
     w_ptr,  # [num_experts, n * (2 if GATED else 1), k]
     scale_ptr,  # as in the GEMM kernel
-    pair_weights_ptr,  # [num_pairs] fp32; read when MUL_WEIGHT
+    pair_weights_ptr,  # [num_pairs] fp32 / bf16 / fp16; read when MUL_WEIGHT
     pair_expert_ids_ptr,  # [num_pairs] i32: topk_ids flattened
     n,
     k,
@@ -238,7 +239,7 @@ def _fused_moe_gemv_kernel(
     if GATED:
         acc = _gate_activation(acc, ACTIVATION) * acc_up
     if MUL_WEIGHT:
-        acc = acc * tl.load(pair_weights_ptr + pair_id)
+        acc = acc * tl.load(pair_weights_ptr + pair_id).to(tl.float32)
     tl.store(out_ptr + pair_id * stride_out_row + offs_n, acc.to(out_ptr.dtype.element_ty), n_mask)
 
 
@@ -248,7 +249,7 @@ def _fused_moe_down_sum_kernel(
     a_ptr,  # [num_tokens * TOP_K, k]: the pairs' intermediate
     w_ptr,  # [num_experts, n, k]
     scale_ptr,  # as in the GEMM kernel
-    pair_weights_ptr,  # [num_pairs] fp32
+    pair_weights_ptr,  # [num_pairs] fp32 / bf16 / fp16
     pair_expert_ids_ptr,  # [num_pairs] i32
     n,
     k,
@@ -275,7 +276,7 @@ def _fused_moe_down_sum_kernel(
     j_mask = offs_j < TOP_K
     pairs = token * TOP_K + offs_j  # [J]
     experts = tl.load(pair_expert_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)
-    weights = tl.load(pair_weights_ptr + pairs, mask=j_mask, other=0.0)  # [J]
+    weights = tl.load(pair_weights_ptr + pairs, mask=j_mask, other=0.0).to(tl.float32)  # [J]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n
     offs_k = tl.arange(0, BLOCK_K)
@@ -532,7 +533,10 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    pair_weights = topk_weights.reshape(num_pairs).float().contiguous()  # [num_pairs]
+    pair_weights = topk_weights.reshape(num_pairs)  # [num_pairs], read as fp32 in the kernels
+    if pair_weights.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        pair_weights = pair_weights.float()
+    pair_weights = pair_weights.contiguous()  # bf16 weights (Qwen3-MoE rounds) cost no copy
     pair_experts = topk_ids.reshape(num_pairs).to(torch.int32).contiguous()  # [num_pairs]
     use_gemv = path == "gemv" or (path == "auto" and num_pairs <= num_experts)
     alignment = None
