@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+# Servers and workers the tests start serve CPU decode steps eagerly: compiling them
+# (worker/cpu_compile.py) costs each start-up seconds to a minute. test_cpu_compile.py
+# turns it on where it is under test.
+os.environ.setdefault("VT_CPU_COMPILE", "off")
+
 
 @pytest.fixture(scope="session")
 def vt_cache_dir(tmp_path_factory) -> Path:

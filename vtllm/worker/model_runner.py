@@ -22,6 +22,7 @@ from vtllm import envs
 from vtllm.protocol.limits import effective_temperature
 from vtllm.protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from vtllm.worker.attention import attention_metadata, build_attention_metadata
+from vtllm.worker.cpu_compile import CompiledDecode, try_compile
 from vtllm.worker.decode_graphs import DecodeGraphs, capture_sizes
 from vtllm.worker.distributed import TPGroup
 from vtllm.worker.grammar import GrammarCompilerService, StructuredOutputs
@@ -79,6 +80,7 @@ class ModelRunner:
         self.block_size = 0
         self.attention_backend = attention_backend(device)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
+        self.compiled_decode: CompiledDecode | None = None  # set by compile_cpu_decode
         self.tokenizer_dir = tokenizer_dir
         self.structured: StructuredOutputs | None = None  # on the driver, at first use
         # set by from_model_dir: host RSS while building + loading, and what was read
@@ -168,6 +170,7 @@ class ModelRunner:
         ]
         self.block_size = block_size
         self.decode_graphs = None  # they point into the old cache
+        self.compiled_decode = None
 
     def capture_decode_graphs(
         self,
@@ -206,6 +209,22 @@ class ModelRunner:
             graphs.capture()
         self.decode_graphs = graphs
         return graphs
+
+    def compile_cpu_decode(self, max_num_seqs: int, enforce_eager: bool = False) -> bool:
+        """On a CPU, route decode-only steps through the compiled forward of
+        ``cpu_compile.py`` (compiled and warmed up here, its time logged), unless it does
+        not apply or fails (logged; steps stay eager). True when it is in use."""
+        if not self.kv_caches:
+            raise RuntimeError("compile_cpu_decode() needs a KV cache")
+        self.compiled_decode = try_compile(
+            self.model,
+            self.kv_caches,
+            self.block_size,
+            max_num_seqs,
+            self.device.type != "cpu",
+            enforce_eager,
+        )
+        return self.compiled_decode is not None
 
     # -- steps ----------------------------------------------------------------------
 
@@ -247,6 +266,13 @@ class ModelRunner:
                 return self.model.compute_logits(hidden), hidden
             rows = torch.from_numpy(batch.logits_indices).to(self.device)
             return self.model.compute_logits(hidden.index_select(0, rows)), hidden
+        if self.compiled_decode is not None and batch.num_tokens == batch.num_reqs:
+            hidden = self._compiled_decode(batch)  # [num_reqs, hidden] or None
+            if hidden is not None:
+                if len(batch.sample_rows) == batch.num_reqs:
+                    return self.model.compute_logits(hidden), hidden
+                rows = torch.from_numpy(batch.logits_indices)
+                return self.model.compute_logits(hidden.index_select(0, rows)), hidden
         metadata = attention_metadata(
             batch.query_lens,
             batch.seq_lens,
@@ -262,6 +288,24 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
         logits_indices = torch.from_numpy(batch.logits_indices).to(self.device)
         return self.model.compute_logits(hidden.index_select(0, logits_indices)), hidden
+
+    def _compiled_decode(self, batch: StepBatch) -> torch.Tensor | None:
+        """The compiled CPU decode step's hidden states ``[num_reqs, hidden]``; None after
+        it raised (logged once, eager from then on: the eager forward rewrites the same
+        KV slots with its own values)."""
+        assert self.compiled_decode is not None
+        try:
+            return self.compiled_decode(
+                torch.from_numpy(batch.input_ids),
+                torch.from_numpy(batch.positions),
+                batch.seq_lens,
+                batch.block_tables(),
+                batch.slot_mapping,
+            )
+        except Exception:
+            logger.exception("the compiled CPU decode step failed; serving eagerly from now on")
+            self.compiled_decode = None
+            return None
 
     def grammars(self) -> StructuredOutputs:
         """The driver's grammar state, created (compiler threads started) at first use."""

@@ -182,19 +182,12 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         k_cache, v_cache = kv_cache
         if qkv.is_cuda:  # q/k norm, rope and the cache write in one kernel
             q = self._prep_on_gpu(qkv, positions, rotary, k_cache, v_cache, metadata)
         else:
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, heads, hd]
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, hd]
-            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            rotary(positions, q, k)  # in place
+            q, k, v = self.split_and_rotate(qkv, positions, rotary)
             write_kv_cache(
                 k, v, k_cache, v_cache, metadata.slot_mapping, self.k_scale, self.v_scale
             )
@@ -209,6 +202,27 @@ class LlamaAttention(nn.Module):
             self.v_scale,
         )  # [num_tokens, heads, head_dim]
         return self.o_proj(o.reshape(num_tokens, q_size))  # [num_tokens, hidden]
+
+    def split_and_rotate(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: qkv_proj's output
+        positions: torch.Tensor,  # [num_tokens]
+        rotary: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[num_tokens, heads, head_dim]``, k and v ``[num_tokens, kv_heads, head_dim]``:
+        q/k normed (Qwen3) and rotated (views of ``qkv``, rotated in place). The CPU
+        path's prologue; also traced by the compiled CPU decode step (``cpu_compile.py``)."""
+        num_tokens = qkv.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, heads, hd]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, hd]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        rotary(positions, q, k)  # in place
+        return q, k, v
 
     def _prep_on_gpu(
         self,
@@ -271,6 +285,29 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.input_layernorm.add_and_norm(x, residual)
         h = self.self_attn(h, positions, rotary, kv_cache, metadata)
         h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+    def pre_attention(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: the previous layer's output
+        residual: torch.Tensor,  # [num_tokens, hidden]; zeros before the first layer
+        positions: torch.Tensor,  # [num_tokens]
+        rotary: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward`` up to attention on a CPU: ``(q, k, v, residual stream)``. With
+        ``residual`` zeros (exactly ``x + 0 = x``) the first layer needs no branch."""
+        h, residual = self.input_layernorm(x, residual)
+        attn = self.self_attn
+        q, k, v = attn.split_and_rotate(attn.qkv_proj(h), positions, rotary)
+        return q, k, v, residual
+
+    def post_attention(
+        self,
+        o: torch.Tensor,  # [num_tokens, heads * head_dim]: attention's output
+        residual: torch.Tensor,  # [num_tokens, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` after attention: ``(mlp output, residual stream)``."""
+        h, residual = self.post_attention_layernorm(self.self_attn.o_proj(o), residual)
         return self.mlp(h), residual
 
 

@@ -1,0 +1,141 @@
+"""The compiled CPU decode step (``worker/cpu_compile.py``) against the eager forward.
+
+A tiny Llama: decode steps of changing batch sizes and positions give the eager step's
+greedy tokens and logprobs (within fp32 rounding) and compile nothing after the warm-up.
+The embedded SmolLM2: the same greedy tokens as eager for the README's question and the
+model-vs-transformers prompts. Opt-outs and the fallback: VT_CPU_COMPILE=off,
+--enforce-eager, unsupported models, and a step whose compiled forward raises.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vtllm.protocol.messages import SamplingParams
+from vtllm.worker import cpu_compile
+from vtllm.worker.model_runner import ModelRunner
+
+from .tiny_models import EngineSim, make_hf_model
+
+TOP_N = 5
+
+
+@pytest.fixture
+def compile_on(monkeypatch):
+    monkeypatch.setenv("VT_CPU_COMPILE", "auto")
+
+
+def _runner(model_dir, compiled: bool, max_num_seqs: int = 8) -> ModelRunner:
+    runner = ModelRunner.from_model_dir(model_dir, torch.device("cpu"), torch.float32, seed=0)
+    runner.init_kv_cache(num_blocks=64, block_size=4)
+    if compiled:
+        assert runner.compile_cpu_decode(max_num_seqs)
+    return runner
+
+
+def _generate(runner: ModelRunner, prompts: dict[str, list[int]], steps: int) -> EngineSim:
+    """Greedy with logprobs; requests join and leave so the decode batch size and the
+    block-table width change from step to step."""
+    engine = EngineSim(runner.execute, num_blocks=64, block_size=4)
+    params = SamplingParams(temperature=0.0, logprobs=TOP_N)
+    ids = list(prompts)
+    engine.add(ids[0], prompts[ids[0]], params)
+    engine.step({ids[0]: len(prompts[ids[0]])})
+    engine.logprobs = {request_id: [] for request_id in ids}
+    for step in range(steps):
+        if step < len(ids) - 1:  # a new prompt prefills alone, then joins the decodes
+            new_id = ids[step + 1]
+            engine.add(new_id, prompts[new_id], params)
+            engine.step({new_id: len(prompts[new_id])})
+        schedule = {request_id: 1 for request_id in engine.requests}
+        output = engine.step(schedule)
+        for request_id, top in zip(output.request_ids, output.top_logprobs, strict=True):
+            engine.logprobs[request_id].append(top)
+    return engine
+
+
+def test_compiled_decode_matches_eager_without_recompiles(tmp_path, compile_on):
+    make_hf_model("llama", tmp_path)
+    prompts = {"a": [5, 6, 7], "b": [9, 10, 11, 12, 13, 14], "c": [3] * 11}
+    eager = _generate(_runner(tmp_path, compiled=False), prompts, steps=9)
+
+    torch._dynamo.reset()
+    runner = _runner(tmp_path, compiled=True)
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    compiled = _generate(runner, prompts, steps=9)
+    assert runner.compiled_decode is not None
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "a step recompiled"
+    for request_id in prompts:
+        assert compiled.requests[request_id].token_ids == eager.requests[request_id].token_ids
+        for ours, theirs in zip(
+            compiled.logprobs[request_id], eager.logprobs[request_id], strict=True
+        ):
+            assert [t for t, _ in ours] == [t for t, _ in theirs]
+            torch.testing.assert_close(
+                torch.tensor([lp for _, lp in ours]),
+                torch.tensor([lp for _, lp in theirs]),
+                atol=1e-4,
+                rtol=0,
+            )
+
+
+def test_a_failing_compiled_step_falls_back_to_eager(tmp_path, compile_on):
+    make_hf_model("llama", tmp_path)
+    prompts = {"a": [5, 6, 7], "b": [9, 10, 11, 12]}
+    eager = _generate(_runner(tmp_path, compiled=False), prompts, steps=3)
+    runner = _runner(tmp_path, compiled=False)
+    runner.compiled_decode = cpu_compile.CompiledDecode(runner.model, runner.kv_caches, 4)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("compiler bug")
+
+    runner.compiled_decode._layer = broken  # not compiled at all: the first call raises
+    fallen_back = _generate(runner, prompts, steps=3)
+    assert runner.compiled_decode is None
+    for request_id in prompts:
+        assert fallen_back.requests[request_id].token_ids == eager.requests[request_id].token_ids
+
+
+def test_opt_outs_and_unsupported_models(tmp_path, monkeypatch, compile_on):
+    make_hf_model("llama", tmp_path)
+    runner = _runner(tmp_path, compiled=False)
+    model = runner.model
+    assert cpu_compile.compile_reason(model, is_gpu=False, enforce_eager=False) is None
+    assert cpu_compile.compile_reason(model, is_gpu=False, enforce_eager=True) == "--enforce-eager"
+    assert cpu_compile.compile_reason(model, is_gpu=True, enforce_eager=False) == "not on a CPU"
+    assert cpu_compile.compile_reason(torch.nn.Linear(2, 2), False, False) == (
+        "Linear has no compiled CPU decode step"
+    )
+    monkeypatch.setenv("VT_CPU_COMPILE", "off")
+    assert not runner.compile_cpu_decode(8)
+    assert runner.compiled_decode is None
+
+
+def test_smollm2_greedy_tokens_unchanged(smollm2_dir, compile_on):
+    """The embedded model (float32, as served here) decodes the same greedy tokens
+    compiled as eager: the README's question and three plain prompts, 24 tokens each."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    readme = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    texts = [readme, "The capital of France is", "def fibonacci(n):", "Once upon a time,"]
+    prompts = {str(i): tokenizer.encode(text).ids for i, text in enumerate(texts)}
+
+    def generate(compiled: bool) -> dict[str, list[int]]:
+        runner = ModelRunner.from_model_dir(smollm2_dir, torch.device("cpu"), torch.float32, seed=0)
+        runner.init_kv_cache(num_blocks=64, block_size=16)
+        if compiled:  # no warm-up: the first decode step compiles its one graph (batch 4)
+            runner.compiled_decode = cpu_compile.CompiledDecode(runner.model, runner.kv_caches, 16)
+        engine = EngineSim(runner.execute, num_blocks=64, block_size=16)
+        for request_id, prompt in prompts.items():
+            engine.add(request_id, prompt, SamplingParams(temperature=0.0))
+        engine.step({request_id: len(prompt) for request_id, prompt in prompts.items()})
+        for _ in range(23):
+            engine.step({request_id: 1 for request_id in prompts})
+        assert (runner.compiled_decode is not None) == compiled  # no fallback to eager
+        return {r: engine.requests[r].token_ids[len(prompts[r]) :] for r in prompts}
+
+    eager, compiled = generate(False), generate(True)
+    assert compiled == eager
+    assert tokenizer.decode(compiled["0"]).startswith("The capital of France is Paris")

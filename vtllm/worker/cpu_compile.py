@@ -1,0 +1,271 @@
+"""A compiled decode step for CPU serving: the whole Llama forward of a decode-only batch
+as one ``torch.compile`` graph.
+
+An eager CPU decode step of a small model is thousands of tiny ops (norms, rotary, casts,
+residual adds, views), each a Python call and a dispatcher trip; on two cores they cost
+about as much as the matrix products. Inductor fuses them into a few C++ loops per layer,
+and one compiled call per step replaces ~100 Python-level calls per layer. (A compiled
+region costs ~0.1 ms to enter on this class of CPU, so one region per layer would give
+much of the gain back: the step is one region.)
+
+Attention is an opaque custom op inside the graph (``vtllm::cpu_decode_attention``): it
+writes the step's K/V into the paged cache and attends over each request's blocks, taking
+the step's metadata as tensors::
+
+    block_tables  [num_reqs, max_blocks] int64 (at least 2 columns: see below)
+    seq_lens      [num_reqs] int64, keys of each request after this step
+    mask          [num_reqs, 1, 1, max_blocks * block_size]: 0 visible, -inf past a sequence
+
+Shapes that vary per step are dynamic: one graph for one request, one for ``2..16``
+requests and, where quantised linears switch to their dense weight above
+``MAX_QUANTIZED_ROWS`` rows, one beyond. (Dynamo specialises sizes 0 and 1, so block
+tables are padded to at least two columns: a one-block table would compile another
+graph.) ``warm_up`` compiles them all at start-up, so no step compiles while serving;
+Inductor keeps its artifacts under ``VT_CACHE_DIR/inductor`` and a restart loads them.
+
+Prefill and mixed steps run the eager forward (they are bound by the matrix products).
+
+Numerics: the fused kernels reduce in another order than eager torch (RMSNorm's mean), so
+float32 decode logits move by rounding; greedy output of the embedded model is unchanged
+(``tests/worker/test_cpu_compile.py``). ``VT_CPU_COMPILE=off`` or ``--enforce-eager``
+serve eagerly; a compile that fails falls back to eager with a warning, and so does a step
+whose compiled forward raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vtllm import envs
+from vtllm.worker.attention import _gather_blocks
+from vtllm.worker.layers.cpu_quant import MAX_QUANTIZED_ROWS
+from vtllm.worker.layers.rotary import RotaryEmbedding
+from vtllm.worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+MIN_TABLE_BLOCKS = 2  # see the module docstring: no size-1 dimension, no extra graph
+
+
+@torch.library.custom_op("vtllm::cpu_decode_attention", mutates_args=("k_cache", "v_cache"))
+def cpu_decode_attention(
+    q: torch.Tensor,  # [num_reqs, num_heads, head_dim]
+    k: torch.Tensor,  # [num_reqs, num_kv_heads, head_dim]: this step's keys
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_reqs] int64
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int64
+    seq_lens: torch.Tensor,  # [num_reqs] int64
+    mask: torch.Tensor,  # [num_reqs, 1, 1, max_blocks * block_size]
+    scale: float,
+) -> torch.Tensor:
+    """Write K/V at ``slot_mapping``, then one query token per request over its cached
+    keys (grouped-query): ``[num_reqs, num_heads * head_dim]``. The arithmetic of
+    ``attention._attend_decodes`` (the eager reference): the same gather and SDPA call."""
+    num_reqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    keys = _gather_blocks(k_cache, block_tables)  # [R, KVH, Lk, D]
+    values = _gather_blocks(v_cache, block_tables)
+    attn_mask: torch.Tensor | None = mask
+    if num_reqs == 1:  # keys past the sequence cut off, no mask (as the reference does)
+        seq_len = int(seq_lens[0])
+        keys, values, attn_mask = keys[:, :, :seq_len], values[:, :, :seq_len], None
+    grouped = q.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(
+        grouped, keys.to(q.dtype), values.to(q.dtype), attn_mask, scale=scale
+    )
+    return o.reshape(num_reqs, num_heads * head_dim)
+
+
+@cpu_decode_attention.register_fake
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, mask, scale):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def decode_layer(
+    layer: LlamaDecoderLayer,
+    x: torch.Tensor,  # [num_reqs, hidden]: the previous layer's output
+    residual: torch.Tensor,  # [num_reqs, hidden]; zeros before the first layer
+    positions: torch.Tensor,  # [num_reqs]
+    rotary: RotaryEmbedding,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_reqs] int64
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int64
+    seq_lens: torch.Tensor,  # [num_reqs] int64
+    mask: torch.Tensor,  # [num_reqs, 1, 1, max_blocks * block_size]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layer.forward`` of a decode-only step: ``(mlp output, residual stream)``.
+    Compiled once, for every layer (their parameters are graph inputs)."""
+    q, k, v, residual = layer.pre_attention(x, residual, positions, rotary)
+    o = torch.ops.vtllm.cpu_decode_attention(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        mask,
+        layer.self_attn.scale,
+    )  # [num_reqs, heads * head_dim]
+    return layer.post_attention(o, residual)
+
+
+def decode_inputs(
+    seq_lens: np.ndarray,  # [num_reqs] int64
+    block_tables: np.ndarray,  # [num_reqs, max_num_blocks] int32, 0-padded
+    slot_mapping: np.ndarray,  # [num_reqs] int64
+    block_size: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(slot_mapping, block_tables, seq_lens, mask)`` tensors of a decode-only step
+    (each request computes its token at position ``seq_len - 1``): tables int64 and at
+    least ``MIN_TABLE_BLOCKS`` wide, the mask hiding keys past each sequence."""
+    num_reqs, width = block_tables.shape
+    tables = np.zeros((num_reqs, max(MIN_TABLE_BLOCKS, width)), dtype=np.int64)
+    tables[:, :width] = block_tables
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    key_pos = np.arange(tables.shape[1] * block_size)[None, :]
+    hidden = torch.from_numpy(key_pos >= lens[:, None])  # [num_reqs, num_keys]
+    mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+    return (
+        torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)),
+        torch.from_numpy(tables),
+        torch.from_numpy(lens),
+        mask[:, None, None, :],
+    )
+
+
+def compile_reason(model: torch.nn.Module, is_gpu: bool, enforce_eager: bool) -> str | None:
+    """None when ``model`` gets the compiled CPU decode step; else why not (for the log)."""
+    if is_gpu:
+        return "not on a CPU"
+    if enforce_eager:
+        return "--enforce-eager"
+    if envs.VT_CPU_COMPILE == "off":
+        return "VT_CPU_COMPILE=off"
+    if type(model) is not LlamaForCausalLM:  # MoE / Gemma layers: not split yet
+        return f"{type(model).__name__} has no compiled CPU decode step"
+    if any(model.args.sliding_windows):
+        return "sliding-window layers have no compiled CPU decode step"
+    return None
+
+
+class CompiledDecode:
+    """The compiled decode step of one ``LlamaForCausalLM`` over its KV cache."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int) -> None:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(envs.VT_CACHE_DIR / "inductor"))
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.dtype = model.model.norm.weight.dtype
+        self._layer = torch.compile(decode_layer, dynamic=False)  # dims marked per call
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [num_reqs]
+        positions: torch.Tensor,  # [num_reqs]
+        seq_lens: np.ndarray,  # [num_reqs] int64: tokens after this step
+        block_tables: np.ndarray,  # [num_reqs, max_num_blocks] int32, 0-padded
+        slot_mapping: np.ndarray,  # [num_reqs] int64
+    ) -> torch.Tensor:
+        """Hidden states ``[num_reqs, hidden]`` of a decode-only step."""
+        slots, tables, lens, mask = decode_inputs(
+            seq_lens, block_tables, slot_mapping, self.block_size, self.dtype
+        )
+        model = self.model
+        x = model.model.embed_tokens(input_ids)  # [num_reqs, hidden]
+        residual = torch.zeros_like(x)
+        for tensor, dims in ((slots, (0,)), (tables, (0, 1)), (lens, (0,)), (mask, (0, 3))):
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        torch._dynamo.maybe_mark_dynamic(positions, 0)
+        # no duck sizing: equal sizes by chance (2 requests, 2 blocks) must not become a
+        # guard that the next step breaks
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            for layer, (k_cache, v_cache) in zip(model.model.layers, self.kv_caches, strict=True):
+                torch._dynamo.maybe_mark_dynamic(x, 0)
+                torch._dynamo.maybe_mark_dynamic(residual, 0)
+                x, residual = self._layer(
+                    layer,
+                    x,
+                    residual,
+                    positions,
+                    model.rotary,
+                    k_cache,
+                    v_cache,
+                    slots,
+                    tables,
+                    lens,
+                    mask,
+                )
+        return model.model.norm(x, residual)[0]  # [num_reqs, hidden]
+
+    def warm_up(self, max_num_seqs: int) -> list[int]:
+        """Compile every graph serving will need: decode batches of 1, 2 and, with
+        quantised linears and room for it, ``MAX_QUANTIZED_ROWS + 1`` requests, each at
+        position 0 in block 0 (which the engine overwrites before reading). Returns the
+        batch sizes run; raises what the compiler raises."""
+        quantised = any(getattr(m, "linear_method", None) is not None for m in self.model.modules())
+        sizes = [n for n in (1, 2) if n <= max_num_seqs]
+        if quantised and max_num_seqs > MAX_QUANTIZED_ROWS:
+            sizes.append(MAX_QUANTIZED_ROWS + 1)
+        with torch.inference_mode():
+            for num_reqs in sizes:
+                input_ids = torch.zeros(num_reqs, dtype=torch.int64)
+                positions = torch.zeros(num_reqs, dtype=torch.int64)
+                seq_lens = np.ones(num_reqs, dtype=np.int64)
+                tables = np.zeros((num_reqs, 1), dtype=np.int32)
+                slots = np.zeros(num_reqs, dtype=np.int64)
+                self(input_ids, positions, seq_lens, tables, slots)
+        return sizes
+
+
+def try_compile(
+    model: torch.nn.Module,
+    kv_caches: list[KVCache],
+    block_size: int,
+    max_num_seqs: int,
+    is_gpu: bool,
+    enforce_eager: bool,
+) -> CompiledDecode | None:
+    """The compiled decode step, warmed up (compile time logged), or None (eager) with a
+    log line saying why: not wanted here, or the compile failed."""
+    reason = compile_reason(model, is_gpu, enforce_eager)
+    if reason is not None:
+        logger.info("CPU decode steps run eagerly: %s", reason)
+        return None
+    assert isinstance(model, LlamaForCausalLM)
+    started = time.monotonic()
+    compiled = CompiledDecode(model, kv_caches, block_size)
+    try:
+        sizes = compiled.warm_up(max_num_seqs)
+    except Exception as e:  # noqa: BLE001 - whatever the compiler raises: serve eagerly
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        logger.warning(
+            "torch.compile of the CPU decode step failed after %.1fs, serving eagerly "
+            "(VT_CPU_COMPILE=off skips the attempt): %s: %s",
+            time.monotonic() - started,
+            type(e).__name__,
+            first_line,
+        )
+        return None
+    logger.info(
+        "compiled the CPU decode step (torch.compile, batch sizes %s warmed up) in %.1fs; "
+        "VT_CPU_COMPILE=off or --enforce-eager serve eagerly",
+        sizes,
+        time.monotonic() - started,
+    )
+    return compiled
