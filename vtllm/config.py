@@ -145,8 +145,8 @@ class ModelConfig:
 
     enforce_eager: bool = _opt(
         False,
-        "Run every step eagerly: no CUDA/HIP graphs for decode batches (less start-up "
-        "time and memory, slower small-batch decode).",
+        "Run every step eagerly: no CUDA/HIP graphs for decode batches, and on a CPU no "
+        "compiled decode step (less start-up time and memory, slower small-batch decode).",
     )
 
     def default_served_name(self, model_dir: str) -> str:

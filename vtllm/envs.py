@@ -85,8 +85,8 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VT_ATTENTION_BACKEND": lambda: _choice(
         "VT_ATTENTION_BACKEND", ("auto", "torch", "triton"), "auto"
     ),
-    # CPU workers: auto (compile the decode step with torch.compile) or off (eager).
-    "VT_CPU_COMPILE": lambda: _choice("VT_CPU_COMPILE", ("auto", "off"), "auto"),
+    # CPU workers' decode step through torch.compile: auto (quantised models), on, off.
+    "VT_CPU_COMPILE": lambda: _choice("VT_CPU_COMPILE", ("auto", "on", "off"), "auto"),
     # Most stop strings in one request (HTTP schema).
     "VT_MAX_STOP_STRINGS": lambda: _int("VT_MAX_STOP_STRINGS", 64),
     # Most characters of one stop string (HTTP schema).

@@ -3,8 +3,8 @@
 A tiny Llama: decode steps of changing batch sizes and positions give the eager step's
 greedy tokens and logprobs (within fp32 rounding) and compile nothing after the warm-up.
 The embedded SmolLM2: the same greedy tokens as eager for the README's question and the
-model-vs-transformers prompts. Opt-outs and the fallback: VT_CPU_COMPILE=off,
---enforce-eager, unsupported models, and a step whose compiled forward raises.
+model-vs-transformers prompts. The choice (VT_CPU_COMPILE auto / on / off,
+--enforce-eager, unsupported models) and the fallback when a compiled step raises.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from vtllm.protocol.messages import SamplingParams
 from vtllm.worker import cpu_compile
+from vtllm.worker.layers.cpu_quant import quantize_for_cpu
 from vtllm.worker.model_runner import ModelRunner
 
 from .tiny_models import EngineSim, make_hf_model
@@ -23,7 +24,7 @@ TOP_N = 5
 
 @pytest.fixture
 def compile_on(monkeypatch):
-    monkeypatch.setenv("VT_CPU_COMPILE", "auto")
+    monkeypatch.setenv("VT_CPU_COMPILE", "on")  # float32 models too (auto: quantised only)
 
 
 def _runner(model_dir, compiled: bool, max_num_seqs: int = 8) -> ModelRunner:
@@ -107,6 +108,10 @@ def test_opt_outs_and_unsupported_models(tmp_path, monkeypatch, compile_on):
     assert cpu_compile.compile_reason(torch.nn.Linear(2, 2), False, False) == (
         "Linear has no compiled CPU decode step"
     )
+    monkeypatch.setenv("VT_CPU_COMPILE", "auto")
+    assert cpu_compile.compile_reason(model, False, False).startswith("weights not quantised")
+    quantize_for_cpu(model, "int8")
+    assert cpu_compile.compile_reason(model, is_gpu=False, enforce_eager=False) is None
     monkeypatch.setenv("VT_CPU_COMPILE", "off")
     assert not runner.compile_cpu_decode(8)
     assert runner.compiled_decode is None

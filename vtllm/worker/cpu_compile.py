@@ -27,8 +27,9 @@ Prefill and mixed steps run the eager forward (they are bound by the matrix prod
 
 Numerics: the fused kernels reduce in another order than eager torch (RMSNorm's mean), so
 float32 decode logits move by rounding; greedy output of the embedded model is unchanged
-(``tests/worker/test_cpu_compile.py``). ``VT_CPU_COMPILE=off`` or ``--enforce-eager``
-serve eagerly; a compile that fails falls back to eager with a warning, and so does a step
+(``tests/worker/test_cpu_compile.py``). ``VT_CPU_COMPILE`` chooses (``compile_reason``):
+``auto`` compiles models with quantised linears, ``on`` any supported model, ``off`` none
+(nor does ``--enforce-eager``); a compile that fails falls back to eager with a warning, and so does a step
 whose compiled forward raises.
 """
 
@@ -147,18 +148,31 @@ def decode_inputs(
     )
 
 
+def has_quantised_linears(model: torch.nn.Module) -> bool:
+    """Whether some linear layer multiplies through a ``LinearMethod`` (CPU int8/int4)."""
+    return any(getattr(m, "linear_method", None) is not None for m in model.modules())
+
+
 def compile_reason(model: torch.nn.Module, is_gpu: bool, enforce_eager: bool) -> str | None:
-    """None when ``model`` gets the compiled CPU decode step; else why not (for the log)."""
+    """None when ``model`` gets the compiled CPU decode step; else why not (for the log).
+
+    ``VT_CPU_COMPILE=auto`` compiles only a model whose linears are quantised (int4/int8):
+    there the per-op overhead is a large share of a decode step. A float32 model's decode
+    step is bound by reading its weights (measured: no gain through HTTP, and 35 s more
+    start-up), so ``auto`` leaves it eager and ``on`` compiles it anyway."""
     if is_gpu:
         return "not on a CPU"
     if enforce_eager:
         return "--enforce-eager"
-    if envs.VT_CPU_COMPILE == "off":
+    choice = envs.VT_CPU_COMPILE
+    if choice == "off":
         return "VT_CPU_COMPILE=off"
     if type(model) is not LlamaForCausalLM:  # MoE / Gemma layers: not split yet
         return f"{type(model).__name__} has no compiled CPU decode step"
     if any(model.args.sliding_windows):
         return "sliding-window layers have no compiled CPU decode step"
+    if choice == "auto" and not has_quantised_linears(model):
+        return "weights not quantised (VT_CPU_COMPILE=on compiles anyway)"
     return None
 
 
@@ -218,7 +232,7 @@ class CompiledDecode:
         quantised linears and room for it, ``MAX_QUANTIZED_ROWS + 1`` requests, each at
         position 0 in block 0 (which the engine overwrites before reading). Returns the
         batch sizes run; raises what the compiler raises."""
-        quantised = any(getattr(m, "linear_method", None) is not None for m in self.model.modules())
+        quantised = has_quantised_linears(self.model)
         sizes = [n for n in (1, 2) if n <= max_num_seqs]
         if quantised and max_num_seqs > MAX_QUANTIZED_ROWS:
             sizes.append(MAX_QUANTIZED_ROWS + 1)
