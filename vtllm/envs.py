@@ -87,6 +87,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     ),
     # CPU workers' decode step through torch.compile: auto (quantised models), on, off.
     "VT_CPU_COMPILE": lambda: _choice("VT_CPU_COMPILE", ("auto", "on", "off"), "auto"),
+    # CPU workers: torch threads of each worker; unset = the cores divided among the ranks.
+    "VT_CPU_THREADS": lambda: (
+        _int("VT_CPU_THREADS", 0) if os.environ.get("VT_CPU_THREADS", "").strip() else None
+    ),
     # Most stop strings in one request (HTTP schema).
     "VT_MAX_STOP_STRINGS": lambda: _int("VT_MAX_STOP_STRINGS", 64),
     # Most characters of one stop string (HTTP schema).

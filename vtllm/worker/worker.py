@@ -108,7 +108,7 @@ def _serve(
     platform.set_device()
     at_start = platform.memory_snapshot()  # other processes and our context, nothing else
     if not platform.is_gpu:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(envs.VT_CPU_THREADS or max(1, (os.cpu_count() or 1) // world_size))
     tp = init_distributed(
         rank, world_size, platform.dist_backend, dist_init_address, platform.device
     )
