@@ -6,7 +6,10 @@ misbehaves the way its scenario (passed as ``model_dir``) says:
 * ``serve``: answers every step with an empty result;
 * ``stuck-loading``: beats in phase "loading the model" forever, never reports;
 * ``hang-step``: beats, but never answers a step (a hung device or kernel);
-* ``freeze-on-step``: stops itself with SIGSTOP on its first step (heartbeats stop too).
+* ``freeze-on-step``: stops itself with SIGSTOP on its first step (heartbeats stop too);
+* ``rank1-killed-on-step`` (2 ranks): rank 1 SIGKILLs itself on its first step and rank 0
+  then fails as a survivor's collective does (gloo: "Connection closed by peer");
+* ``rank0-fails-on-step`` (2 ranks): rank 0 fails on its first step, rank 1 lives on.
 """
 
 from __future__ import annotations
@@ -63,5 +66,18 @@ def run_fake_worker(
                 time.sleep(3600)
             if scenario == "freeze-on-step":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if scenario == "rank1-killed-on-step" and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if scenario in ("rank1-killed-on-step", "rank0-fails-on-step") and rank == 0:
+                error = (
+                    "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1"
+                    if scenario == "rank1-killed-on-step"
+                    else "ValueError: a bug in rank 0"
+                )
+                failure = m.WorkerFailure(rank=0, message=f"{error}\nTraceback ...")
+                socket.send(codec.encode(failure))
+                continue
+            if rank != 0:  # only the driver answers steps
+                continue
             result = m.ModelRunnerOutput(message.step_id, [], [])
             socket.send(codec.encode(result))

@@ -21,9 +21,11 @@ STEP = m.SchedulerOutput(step_id=1, new_requests=[], cached_requests=[], num_sch
 def make_executor(tmp_path):
     executors: list[MultiprocExecutor] = []
 
-    def make(scenario: str) -> MultiprocExecutor:
+    def make(scenario: str, world_size: int = 1) -> MultiprocExecutor:
+        config = VtllmConfig()
+        config.parallel.tensor_parallel_size = world_size
         executor = MultiprocExecutor(
-            VtllmConfig(),
+            config,
             scenario,
             transport.ipc_address(tmp_path, f"workers-{len(executors)}.sock"),
             "tcp://127.0.0.1:1",
@@ -90,6 +92,28 @@ def test_a_frozen_worker_is_told_apart_from_a_slow_step(make_executor, monkeypat
         executor.execute(STEP)
     assert time.monotonic() - started < 5
     assert "stopped (SIGSTOP" in str(e.value) and "it was serving" in str(e.value)
+
+
+def test_a_killed_rank_is_named_not_the_rank_whose_collective_failed(make_executor):
+    """Under TP the survivor's failure ("Connection closed by peer") often arrives before
+    the dead rank's exit is seen; the error must still blame the dead rank."""
+    executor = make_executor("rank1-killed-on-step", world_size=2)
+    executor.start()
+    executor.init_kv_cache(4, 16)
+    with pytest.raises(WorkerDiedError) as e:
+        executor.execute(STEP)
+    pid = executor.processes[1].pid
+    assert f"worker rank 1 (pid {pid}) exited with code -9" in str(e.value), e.value
+    assert "rank 0 then failed: RuntimeError: [pair.cc:553] Connection closed" in str(e.value)
+    assert "Traceback" not in str(e.value)
+
+
+def test_a_failing_rank_is_named_while_its_peers_live(make_executor):
+    executor = make_executor("rank0-fails-on-step", world_size=2)
+    executor.start()
+    executor.init_kv_cache(4, 16)
+    with pytest.raises(WorkerDiedError, match="^worker rank 0 failed: ValueError: a bug"):
+        executor.execute(STEP)
 
 
 def test_process_state_reads_proc():

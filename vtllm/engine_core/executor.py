@@ -22,6 +22,9 @@ it beats but a step does not finish         ``VT_STEP_TIMEOUT_S`` (a hung device
 it beats but a start-up phase (loading,     ``VT_WORKER_START_TIMEOUT_S`` per phase,
 profiling, graph capture) does not end      naming the phase
 =========================================  ============================================
+
+Under tensor parallelism a rank's death first fails its peers' collectives; the error names
+the rank that exited, not the survivor that reported the failed collective.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 WORKER_ENTRY = "vtllm.worker.worker:run_worker"
 _POLL_MS = 200
+# how long a rank's failure waits for another rank's process to be seen exited (its sockets
+# close, failing the survivors' collectives, a moment before it can be reaped)
+_PEER_EXIT_GRACE_S = 0.5
 
 
 class WorkerDiedError(RuntimeError):
@@ -294,7 +300,7 @@ class MultiprocExecutor:
             logger.warning("dropping an undecodable worker message: %s", e)
             return None
         if isinstance(message, m.WorkerFailure):
-            raise WorkerDiedError(f"worker rank {message.rank} failed: {message.message}")
+            raise WorkerDiedError(self._describe_failure(message))
         if isinstance(message, m.WorkerHeartbeat):
             self._on_heartbeat(message)
             return None
@@ -302,6 +308,24 @@ class MultiprocExecutor:
             self._grammar_results.append(message)
             return None
         return message
+
+    def _describe_failure(self, failure: m.WorkerFailure) -> str:
+        """What ``failure`` means. Under tensor parallelism the death of one rank shows up
+        first as a collective error in the others (gloo: "Connection closed by peer"),
+        which would blame a healthy rank; so when another rank's process has exited (or
+        does within ``_PEER_EXIT_GRACE_S``), that exit is named as the cause."""
+        deadline = time.monotonic() + _PEER_EXIT_GRACE_S
+        for rank, process in enumerate(self.processes):
+            if rank == failure.rank:
+                continue
+            process.join(max(0.0, deadline - time.monotonic()))
+            if not process.is_alive():
+                first_line = failure.message.split("\n", 1)[0][:300]
+                return (
+                    f"worker rank {rank} (pid {process.pid}) exited with code "
+                    f"{process.exitcode}; rank {failure.rank} then failed: {first_line}"
+                )
+        return f"worker rank {failure.rank} failed: {failure.message}"
 
     def _on_heartbeat(self, beat: m.WorkerHeartbeat) -> None:
         if not 0 <= beat.rank < self.world_size:
