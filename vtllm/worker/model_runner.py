@@ -172,6 +172,10 @@ class ModelRunner:
         self.decode_graphs = None  # they point into the old cache
         self.compiled_decode = None
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache this rank holds now (0 before ``init_kv_cache``)."""
+        return sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
+
     def capture_decode_graphs(
         self,
         platform: Platform,

@@ -189,7 +189,7 @@ def _serve(
         )
     heartbeat.phase = "serving"
     socket.send(codec.encode(m.WorkerReady(rank=rank)))
-    logger.info("ready: %d KV blocks of %d tokens", init.num_blocks, init.block_size)
+    _log_ready(runner, platform, rank, world_size, init)
 
     expected = (m.SchedulerOutput, m.CompileGrammar, m.ReleaseGrammars, m.Shutdown)
     while True:
@@ -246,6 +246,22 @@ def _log_weights_loaded(runner: ModelRunner, platform: Platform, rank: int, worl
         world,
         read,
         host,
+    )
+
+
+def _log_ready(
+    runner: ModelRunner, platform: Platform, rank: int, world: int, init: m.InitKVCache
+) -> None:
+    """The last start-up line: the KV cache this rank holds (its share of the KV heads;
+    every rank holds all ``num_blocks``), beside the ``weights:`` line's per-rank bytes."""
+    logger.info(
+        "ready: %d KV blocks of %d tokens; KV cache %.2f GiB on %s (rank %d of %d)",
+        init.num_blocks,
+        init.block_size,
+        runner.kv_cache_bytes() / 2**30,
+        platform.device,
+        rank,
+        world,
     )
 
 
@@ -325,7 +341,7 @@ def _usable_kv_bytes(
     weights = platform.memory_allocated()
     platform.reset_peak_memory()
     runner.init_kv_cache(-(-num_tokens // block_size), block_size)
-    probe_kv = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
+    probe_kv = runner.kv_cache_bytes()
     runner.dummy_run(num_tokens, config.scheduler.max_num_seqs)
     peak = platform.memory_snapshot().torch_peak_allocated
     peak_activation = max(0, peak - weights - probe_kv)
