@@ -61,23 +61,29 @@ def decode_times(runner: ModelRunner, batch: int, steps: int, repeats: int) -> l
     return times
 
 
-def prefill_times(runner: ModelRunner, num_tokens: int, chunk: int, repeats: int) -> list[float]:
+def prefill_times(
+    runner: ModelRunner, num_tokens: int, chunk: int, repeats: int
+) -> tuple[list[float], list[float]]:
     """Seconds to prefill one ``num_tokens`` prompt in chunks of ``chunk`` tokens (the
-    scheduler's token budget), one fresh request per repeat."""
-    times = []
+    scheduler's token budget or ``--long-prefill-token-threshold``), one fresh request
+    per repeat; and the seconds of each chunk of the last repeat."""
+    times, chunk_times = [], []
     for r in range(repeats):
         engine = EngineSim(runner.execute, NUM_BLOCKS, BLOCK_SIZE, seed=r)
         engine.add("p", [1000 + (13 * j + r) % 30000 for j in range(num_tokens)], GREEDY)
         started = time.perf_counter()
         done = 0
+        chunk_times = []
         while done < num_tokens:
             n = min(chunk, num_tokens - done)
+            chunk_started = time.perf_counter()
             engine.step({"p": n})
+            chunk_times.append(round(time.perf_counter() - chunk_started, 3))
             done += n
         times.append(time.perf_counter() - started)
         engine.finish("p")
         engine.step({})
-    return times
+    return times, chunk_times
 
 
 def summary(name: str, times: list[float], per: float, unit: str) -> dict:
@@ -130,10 +136,9 @@ def main() -> None:
         times = decode_times(runner, batch, args.steps, args.repeats)
         print(json.dumps(summary(f"decode_batch_{batch}", times, batch, "tok_s")), flush=True)
     if args.prefill:
-        times = prefill_times(runner, args.prefill, args.chunk, args.repeats)
-        print(
-            json.dumps(summary(f"prefill_{args.prefill}", times, args.prefill, "tok_s")), flush=True
-        )
+        times, chunk_times = prefill_times(runner, args.prefill, args.chunk, args.repeats)
+        figure = summary(f"prefill_{args.prefill}", times, args.prefill, "tok_s")
+        print(json.dumps({**figure, "chunk_s": chunk_times}), flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
