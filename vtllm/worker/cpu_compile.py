@@ -222,6 +222,9 @@ class CompiledDecode:
         # guard that the next step breaks. Once warmed up, every graph a step can need
         # exists: evaluate only the guards that tell them apart (the batch size class),
         # not each layer's ~20 parameter guards (~0.1 ms a call, 30 calls a step).
+        # Sound because a worker serves one model: Dynamo's cache of ``decode_layer`` is
+        # per process, so a second warmed-up model of other shapes in the same process
+        # could be handed the first one's graphs (tests reset Dynamo between models).
         with (
             torch.fx.experimental._config.patch(use_duck_shape=False),
             torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.warmed_up),
