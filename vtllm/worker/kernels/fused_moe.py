@@ -1,8 +1,9 @@
 """Fused mixture-of-experts MLP: ``sum_j w_j * down_e(act(gate_e(x)) * up_e(x))`` over each
 token's top-k experts ``e = topk_ids[t, j]`` with routing weights ``w_j = topk_weights[t, j]``.
 
-Each (token, j) is a *pair*, numbered ``pair_id = t * top_k + j``. Two Triton GEMMs do the
-work, both over pairs; the weighted sum over a token's k pairs is a ``view(T, k, H).sum(1)``::
+Each (token, j) is a *pair*, numbered ``pair_id = t * top_k + j``. Two Triton kernels do the
+work over pairs; on the grouped-GEMM path the weighted sum over a token's k pairs is a
+``view(T, k, H).sum(1)`` (the decode path sums inside its down kernel, below)::
 
     x [T, H] --(w13: gate|up, act(gate) * up fused in the epilogue)--> inter [T*k, I]
     inter    --(w2: down, times the pair's routing weight)-----------> out   [T*k, H]
