@@ -16,6 +16,12 @@ routed layer (router projection + routing + experts) with the routing kernel and
 torch routing it replaced (the baseline, same run):
 
     python3 benchmarks/fused_moe_kernel.py --sweep --tokens 1 4 16
+
+``--sweep-gemm`` does the same for the grouped-GEMM path (prefill and large decode batches:
+``--tokens 64 256 1024 8192``): the gate/up GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, warps,
+stages) with the down GEMM at its default, then the down GEMM's with the gate/up at its
+default (BLOCK_M is shared: one alignment serves both), each row with the bytes of the
+experts the call touches and the fraction of ``--peak-gbps`` it streams them at.
 """
 
 from __future__ import annotations
@@ -103,6 +109,54 @@ def sweep_decode(args, w13, w2, router) -> None:
                   flush=True)  # fmt: skip
 
 
+def sweep_gemm(args, w13, w2) -> None:
+    """JSON lines: microseconds per grouped-GEMM ``fused_moe`` call for each launch
+    configuration (see the module docstring), graph-timed, a fresh top-k per call."""
+    import itertools
+
+    platform = detect_platform(0)
+    device, hidden, experts = platform.device, args.hidden, args.experts
+    gemm_tiles = moe_kernels._gemm_tiles
+    expert_bytes = 3 * args.inter * hidden * 2
+    for num_tokens in args.tokens:
+        x = torch.randn(num_tokens, hidden, device=device).bfloat16()
+        ids = [
+            torch.stack([torch.randperm(experts, device=device)[: args.top_k] for _ in x]).to(
+                torch.int32
+            )
+            for _ in range(20)
+        ]
+        touched = sum(int(torch.unique(one).numel()) for one in ids) / len(ids)
+        weights = torch.full((num_tokens, args.top_k), 1.0 / args.top_k, device=device)
+
+        def experts_only(i, x=x, weights=weights, ids=ids):
+            return fused_moe(x, w13, w2, weights, ids[i], "silu", "gemm")
+
+        pairs = num_tokens * args.top_k
+        default = (gemm_tiles(pairs, experts, True), gemm_tiles(pairs, experts, False))
+        configs = [default] + [
+            (g, default[1])
+            for g in itertools.product((16, 32, 64, 128), (64, 128), (64, 128), (4, 8), (3, 4))
+        ]
+        configs += [
+            (default[0], (default[0][0], *d))
+            for d in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))
+        ]
+        for gate_up, down in configs:
+            moe_kernels._gemm_tiles = lambda _p, _e, gated, g=gate_up, d=down: g if gated else d
+            try:
+                us = graph_us(platform, experts_only, calls=10, replays=5)
+                gbps = touched * expert_bytes / us / 1e3
+                fraction = round(gbps / args.peak_gbps, 3)
+                us = round(us, 1)
+            except Exception as error:  # a configuration the compiler refuses
+                us, fraction = f"failed: {type(error).__name__}", None
+            print(json.dumps({"tokens": num_tokens, "gate_up_tiles": gate_up, "down_tiles": down,
+                              "default": (gate_up, down) == default, "us": us,
+                              "roofline_fraction": fraction}), flush=True)  # fmt: skip
+        moe_kernels._gemm_tiles = gemm_tiles
+
+
 def _torch_route(logits, spec):
     """The torch routing the kernel replaced (several small kernels)."""
     return moe_route_ref(logits, spec.top_k, spec.scoring, spec.renormalize, spec.round_weights)
@@ -118,6 +172,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--peak-gbps", type=float, default=4800.0)
     parser.add_argument("--sweep", action="store_true", help="decode-path configurations")
+    parser.add_argument("--sweep-gemm", action="store_true", help="grouped-GEMM configurations")
     args = parser.parse_args()
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
@@ -127,6 +182,9 @@ def main() -> None:
     w2 = torch.randn(experts, hidden, inter, device=device, generator=generator) / inter**0.5
     w2 = w2.bfloat16()
     router = torch.randn(experts, hidden, device=device, generator=generator).bfloat16()
+    if args.sweep_gemm:
+        sweep_gemm(args, w13, w2)
+        return
     if args.sweep:
         routers = torch.randn(4, experts, hidden, device=device, generator=generator).bfloat16()
         sweep_decode(args, w13, w2, routers)

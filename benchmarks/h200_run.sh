@@ -21,6 +21,8 @@
 #   moe-kernel    benchmarks/fused_moe_kernel.py: the fused-MoE kernel vs its torch reference
 #   moe-sweep     its --sweep: decode-path launch configurations at 1, 4, 16 tokens, and the
 #                 routed layer with the routing kernel vs torch routing
+#   moe-gemm-sweep  its --sweep-gemm: grouped-GEMM launch configurations at 256, 64, 1024
+#                 and 8192 tokens
 #   fp8-sweep     benchmarks/fp8_decode.py --sweep 1: dense FP8 launch configurations at one token
 #   kernels-b1    benchmarks/fp8_decode.py --kernels-only: qkv / o / MoE layer at one token,
 #                 bf16 vs FP8
@@ -61,7 +63,7 @@ for phase in "$@"; do
       timeout 150 python3 -m pytest -m gpu -q -rP -p no:cacheprovider \
         tests/worker/test_weight_streaming.py >> "$OUT/gpu_tests.txt" 2>&1 ;;
     gpu-tests)
-      timeout 420 python3 -m pytest -m gpu -q -rP -p no:cacheprovider --durations=15 tests/worker tests/test_boundaries.py \
+      timeout 560 python3 -m pytest -m gpu -q -rP -p no:cacheprovider --durations=15 tests/worker tests/test_boundaries.py \
         >> "$OUT/gpu_tests.txt" 2>&1 ;;
     bench-qwen3-30b-a3b|bench-gemma4-26b-moe)
       shape=${phase#bench-}
@@ -96,6 +98,10 @@ for phase in "$@"; do
       timeout 240 python3 benchmarks/fused_moe_kernel.py --sweep --tokens 1 4 16 \
         >> "$OUT/moe_sweep.jsonl" 2>> "$OUT/moe_sweep.log"
       grep -E '"default": true|layer_with' "$OUT/moe_sweep.jsonl" ;;
+    moe-gemm-sweep)
+      timeout 300 python3 benchmarks/fused_moe_kernel.py --sweep-gemm --tokens 256 64 1024 8192 \
+        >> "$OUT/moe_gemm_sweep.jsonl" 2>> "$OUT/moe_gemm_sweep.log"
+      grep -E '"default": true' "$OUT/moe_gemm_sweep.jsonl" ;;
     fp8-sweep)
       timeout 150 python3 benchmarks/fp8_decode.py --model-shape qwen3-30b-a3b --sweep 1 \
         >> "$OUT/fp8_sweep.jsonl" 2>> "$OUT/fp8_sweep.log" ;;

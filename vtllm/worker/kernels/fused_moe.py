@@ -384,11 +384,13 @@ def _down_sum_tiles(num_tokens: int, n: int, device: torch.device) -> tuple[int,
     return 8, 128, 8
 
 
-def _gemm_tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by the mean number of pairs per expert."""
+def _gemm_tiles(num_pairs: int, num_experts: int, gated: bool) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMM by the mean
+    number of pairs per expert; ``gated``: the gate/up GEMM (two weight tiles a K step)."""
+    del gated
     if num_pairs <= 4 * num_experts:
-        return 16, 64, 64, 4
-    return 64, 64, 32, 4
+        return 16, 64, 64, 4, 3
+    return 64, 64, 32, 4, 3
 
 
 @dataclass(frozen=True)
@@ -439,7 +441,7 @@ def _launch(
     if alignment is None:
         block_n, block_k, num_warps = _gemv_tiles(num_pairs, n, out.device)
     else:
-        _, block_n, block_k, num_warps = _gemm_tiles(num_pairs, w.shape[0])
+        _, block_n, block_k, num_warps, num_stages = _gemm_tiles(num_pairs, w.shape[0], gated)
     scale = topk_weights  # any fp32 pointer; never read without scales
     scale_strides, scale_constexprs = (
         (0, 0),
@@ -463,6 +465,7 @@ def _launch(
         out, a, w, scale, topk_weights, sorted_pair_ids, block_expert_ids, num_padded,
         n, k, num_pairs, *strides,
         **common, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
 
 
@@ -542,7 +545,7 @@ def fused_moe(
     use_gemv = path == "gemv" or (path == "auto" and num_pairs <= num_experts)
     alignment = None
     if not use_gemv:
-        block_m = _gemm_tiles(num_pairs, num_experts)[0]
+        block_m = _gemm_tiles(num_pairs, num_experts, True)[0]
         alignment = (*align_pairs_by_expert(topk_ids, num_experts, block_m), block_m)
     act = ACTIVATIONS[activation]
     inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
