@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "worker")
 from tiny_models import EngineSim  # noqa: E402
 
 from vtllm.protocol.messages import SamplingParams  # noqa: E402
-from vtllm.worker.layers.cpu_quant import choose_quantization, native_bf16_cpu  # noqa: E402
+from vtllm.worker.layers.cpu_quant import choose_quantization, fast_int4_cpu  # noqa: E402
 from vtllm.worker.loader.gguf_convert import resolve_model_dir  # noqa: E402
 from vtllm.worker.loader.hf_config import load_hf_config  # noqa: E402
 from vtllm.worker.model_runner import ModelRunner  # noqa: E402
@@ -112,7 +112,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(None, Path(tempfile.gettempdir()) / "vtllm-bench-cache")
     quant = choose_quantization(
-        args.quantization, False, load_hf_config(model_dir), native_bf16_cpu()
+        args.quantization, False, load_hf_config(model_dir), fast_int4_cpu()
     )
     started = time.perf_counter()
     runner = ModelRunner.from_model_dir(

@@ -136,7 +136,7 @@ class ModelConfig:
         "fp8 e4m3 with per-tensor weight_scale or 128x128 weight_scale_inv blocks, "
         "compressed-tensors fp8), else none. fp8: quantise a bf16/fp32 checkpoint (or "
         "dummy weights) to e4m3 at load, one scale per output channel; activations get "
-        "per-token scales at run time. On CPUs: unset = int4 on a CPU with native bf16 "
+        "per-token scales at run time. On CPUs: unset = int4 on an x86 CPU with AVX2 "
         "when the model is a 4-bit GGUF such as the embedded SmolLM2; int8 (per-channel) "
         "/ int4 (groups of 32): weight-only formats for decode steps (prefill chunks use "
         "the weights as loaded); none: the weights as loaded.",

@@ -80,19 +80,27 @@ def test_int4_shape_rule():
     assert not cpu_quant.int4_supported(torch.empty(48, 40))  # inputs not a multiple of 32
 
 
-def test_auto_picks_int4_only_for_a_4bit_gguf_on_a_bf16_cpu():
+def test_int4_pays_on_x86_with_avx2_only():
+    zen3 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma bmi2\n"
+    zen4 = "flags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
+    assert cpu_quant.fast_int4_cpu(zen3) and cpu_quant.fast_int4_cpu(zen4)
+    assert not cpu_quant.fast_int4_cpu("flags\t\t: fpu sse2 avx\n")  # pre-2013 x86
+    assert not cpu_quant.fast_int4_cpu("Features\t: fp asimd evtstrm aes\n")  # arm64
+
+
+def test_auto_picks_int4_only_for_a_4bit_gguf_where_it_pays():
     q4 = {"vtllm_gguf_linear_types": ["Q4_1"]}
-    assert cpu_quant.choose_quantization(None, False, q4, native_bf16=True) == "int4"
-    assert cpu_quant.choose_quantization(None, False, q4, native_bf16=False) == "none"
-    assert cpu_quant.choose_quantization(None, True, q4, native_bf16=True) == "none"
+    assert cpu_quant.choose_quantization(None, False, q4, fast_int4=True) == "int4"
+    assert cpu_quant.choose_quantization(None, False, q4, fast_int4=False) == "none"
+    assert cpu_quant.choose_quantization(None, True, q4, fast_int4=True) == "none"
     q8 = {"vtllm_gguf_linear_types": ["Q4_1", "Q8_0"]}
-    assert cpu_quant.choose_quantization(None, False, q8, native_bf16=True) == "none"
-    assert cpu_quant.choose_quantization(None, False, {}, native_bf16=True) == "none"
-    assert cpu_quant.choose_quantization("fp8", False, q4, native_bf16=True) == "none"
-    assert cpu_quant.choose_quantization("int8", False, {}, native_bf16=False) == "int8"
-    assert cpu_quant.choose_quantization("none", False, q4, native_bf16=True) == "none"
+    assert cpu_quant.choose_quantization(None, False, q8, fast_int4=True) == "none"
+    assert cpu_quant.choose_quantization(None, False, {}, fast_int4=True) == "none"
+    assert cpu_quant.choose_quantization("fp8", False, q4, fast_int4=True) == "none"
+    assert cpu_quant.choose_quantization("int8", False, {}, fast_int4=False) == "int8"
+    assert cpu_quant.choose_quantization("none", False, q4, fast_int4=True) == "none"
     with pytest.raises(ValueError, match="CPU format"):
-        cpu_quant.choose_quantization("int4", True, {}, native_bf16=True)
+        cpu_quant.choose_quantization("int4", True, {}, fast_int4=True)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -127,3 +135,34 @@ def test_quantised_tiny_model_keeps_its_logits(tmp_path, quantization):
     assert isinstance(qkv.linear_method, expected_method)
     torch.testing.assert_close(quantised, reference, atol=0.1, rtol=0)
     assert int(quantised.argmax()) == int(reference.argmax())
+
+
+def test_embedded_model_answers_the_readme_question_from_int4_as_from_float32(smollm2_dir):
+    """What `make serve` now does on any x86 CPU with AVX2 (int4 decode) answers the README's
+    question with the same 16 greedy tokens as float32 (on this CI's CPU, bf16 native or
+    emulated)."""
+    from tokenizers import Tokenizer
+
+    from vtllm.protocol.messages import SamplingParams
+
+    from .tiny_models import EngineSim
+
+    tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    readme = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    prompt = tokenizer.encode(readme).ids
+
+    def generate(quantization: str) -> list[int]:
+        runner = ModelRunner.from_model_dir(smollm2_dir, torch.device("cpu"), torch.float32, seed=0)
+        if quantization != "none":
+            cpu_quant.quantize_for_cpu(runner.model, quantization)
+        runner.init_kv_cache(num_blocks=16, block_size=16)
+        engine = EngineSim(runner.execute, num_blocks=16, block_size=16)
+        engine.add("readme", prompt, SamplingParams(temperature=0.0))
+        engine.step({"readme": len(prompt)})
+        for _ in range(15):
+            engine.step({"readme": 1})
+        return engine.requests["readme"].token_ids[len(prompt) :]
+
+    int4 = generate("int4")
+    assert int4 == generate("none")
+    assert tokenizer.decode(int4).startswith("The capital of France is Paris")

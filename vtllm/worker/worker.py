@@ -42,7 +42,7 @@ from vtllm.worker.decode_graphs import capture_sizes
 from vtllm.worker.distributed import destroy_distributed, init_distributed
 from vtllm.worker.heartbeat import HeartbeatSender
 from vtllm.worker.kv_cache_dtype import describe_kv_scales, is_fp8, resolve_kv_cache_dtype
-from vtllm.worker.layers.cpu_quant import choose_quantization, native_bf16_cpu
+from vtllm.worker.layers.cpu_quant import choose_quantization, fast_int4_cpu
 from vtllm.worker.loader.hf_config import load_hf_config, model_facts
 from vtllm.worker.loader.quant_config import resolve_quantization
 from vtllm.worker.memory_budget import memory_budget
@@ -121,7 +121,7 @@ def _serve(
     # unset default on CPUs for the weight-only formats of layers/cpu_quant.py
     requested = config.model.quantization
     fp8_quantization = requested if requested in (None, "fp8") else None
-    cpu_quantization = choose_quantization(requested, platform.is_gpu, hf_config, native_bf16_cpu())
+    cpu_quantization = choose_quantization(requested, platform.is_gpu, hf_config, fast_int4_cpu())
     started = time.monotonic()
     logger.info("loading %s (%s, CPU quantization %s) ...", model_dir, dtype, cpu_quantization)
     runner = ModelRunner.from_model_dir(
