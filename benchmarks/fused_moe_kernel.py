@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fp8_decode import graph_us  # noqa: E402
 from vtllm.worker.kernels import fused_moe as moe_kernels  # noqa: E402
+from vtllm.worker.kernels import fused_moe_decode as decode_kernels  # noqa: E402
 from vtllm.worker.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
 from vtllm.worker.kernels.moe_routing import moe_route_ref  # noqa: E402
 from vtllm.worker.layers.moe import RouterSpec, select_experts  # noqa: E402
@@ -64,7 +65,7 @@ def sweep_decode(args, w13, w2, router) -> None:
     platform = detect_platform(0)
     device, hidden, experts = platform.device, args.hidden, args.experts
     spec = RouterSpec(args.top_k, round_weights=True)  # Qwen3-MoE's router
-    gemv_tiles, down_tiles = moe_kernels._gemv_tiles, moe_kernels._down_sum_tiles
+    gemv_tiles, down_tiles = decode_kernels._gemv_tiles, decode_kernels._down_sum_tiles
     for num_tokens in args.tokens:
         x = torch.randn(num_tokens, hidden, device=device).bfloat16()
         ids = [  # a different top-k per call of the graph
@@ -88,15 +89,15 @@ def sweep_decode(args, w13, w2, router) -> None:
             (default[0], d) for d in itertools.product((8, 16, 32), (32, 64, 128), (2, 4, 8))
         ]
         for gemv, down in configs:
-            moe_kernels._gemv_tiles = lambda *_, gemv=gemv: gemv
-            moe_kernels._down_sum_tiles = lambda *_, down=down: down
+            decode_kernels._gemv_tiles = lambda *_, gemv=gemv: gemv
+            decode_kernels._down_sum_tiles = lambda *_, down=down: down
             try:
                 us = graph_us(platform, experts_only)
             except Exception as error:  # a configuration the compiler refuses
                 us = f"failed: {type(error).__name__}"
             print(json.dumps({"tokens": num_tokens, "gemv_tiles": gemv, "down_sum_tiles": down,
                               "default": (gemv, down) == default, "us": us}), flush=True)  # fmt: skip
-        moe_kernels._gemv_tiles, moe_kernels._down_sum_tiles = gemv_tiles, down_tiles
+        decode_kernels._gemv_tiles, decode_kernels._down_sum_tiles = gemv_tiles, down_tiles
         for routing, route in (("kernel", select_experts), ("torch", _torch_route)):
 
             def layer(i, route=route, x=x):

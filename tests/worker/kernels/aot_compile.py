@@ -28,6 +28,7 @@ from vtllm.worker.kernels import (
     activation,
     fp8_matmul,
     fused_moe,
+    fused_moe_decode,
     moe_routing,
     paged_attention,
     qkv_prep,
@@ -209,17 +210,17 @@ VARIANTS = [
     ),
     Variant(
         "fused_moe_gemv/bf16-gate-up-gelu-tanh",
-        fused_moe._fused_moe_gemv_kernel,
+        fused_moe_decode._fused_moe_gemv_kernel,
         "bf16",
-        dict(A_PAIRS_PER_ROW=8, GATED=True, ACTIVATION=1, MUL_WEIGHT=False)
-        | dict(_NO_SCALE, BLOCK_N=16, BLOCK_K=128),
+        dict(TOP_K=8, ACTIVATION=1) | dict(_NO_SCALE, BLOCK_N=16, BLOCK_K=256),
+        num_warps=8,
     ),
     Variant(
-        "fused_moe_gemv/bf16-down-weighted",
-        fused_moe._fused_moe_gemv_kernel,
-        "bf16",
-        dict(A_PAIRS_PER_ROW=1, GATED=False, ACTIVATION=0, MUL_WEIGHT=True)
-        | dict(_NO_SCALE, BLOCK_N=64, BLOCK_K=128),
+        "fused_moe_gemv/fp16-fp8-block-gate-up-silu",
+        fused_moe_decode._fused_moe_gemv_kernel,
+        "fp16",
+        dict(TOP_K=8, ACTIVATION=0) | dict(_BLOCK_SCALES, BLOCK_N=64, BLOCK_K=128),
+        fp8_pointers=("w_ptr",),
     ),
     Variant(
         "fused_moe_gemm/bf16-fp8-block-gate-up-silu",
@@ -230,11 +231,11 @@ VARIANTS = [
         fp8_pointers=("w_ptr",),
     ),
     Variant(
-        "fused_moe_gemv/bf16-fp8-row-down-weighted",
-        fused_moe._fused_moe_gemv_kernel,
+        "fused_moe_gemv/bf16-fp8-row-gate-up-silu",
+        fused_moe_decode._fused_moe_gemv_kernel,
         "bf16",
-        dict(A_PAIRS_PER_ROW=1, GATED=False, ACTIVATION=0, MUL_WEIGHT=True)
-        | dict(W_SCALE=1, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1, BLOCK_N=64, BLOCK_K=128),
+        dict(TOP_K=8, ACTIVATION=0, W_SCALE=1, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1)
+        | dict(BLOCK_N=64, BLOCK_K=128),
         fp8_pointers=("w_ptr",),
     ),
     Variant(
@@ -256,20 +257,20 @@ VARIANTS = [
     ),
     Variant(
         "fused_moe_down_sum/bf16-top8",
-        fused_moe._fused_moe_down_sum_kernel,
+        fused_moe_decode._fused_moe_down_sum_kernel,
         "bf16",
         dict(TOP_K=8, BLOCK_TOPK=8, BLOCK_N=8, BLOCK_K=64) | _NO_SCALE,
     ),
     Variant(
         "fused_moe_down_sum/bf16-fp8-block-top8",
-        fused_moe._fused_moe_down_sum_kernel,
+        fused_moe_decode._fused_moe_down_sum_kernel,
         "bf16",
         dict(TOP_K=8, BLOCK_TOPK=8, BLOCK_N=16, BLOCK_K=64) | _BLOCK_SCALES,
         fp8_pointers=("w_ptr",),
     ),
     Variant(
         "fused_moe_down_sum/fp16-fp8-row-top6",
-        fused_moe._fused_moe_down_sum_kernel,
+        fused_moe_decode._fused_moe_down_sum_kernel,
         "fp16",
         dict(TOP_K=6, BLOCK_TOPK=8, BLOCK_N=32, BLOCK_K=64, W_SCALE=1)
         | dict(SCALE_BLOCK_N=1, SCALE_BLOCK_K=1),

@@ -9,6 +9,7 @@ Triton raises ImportError naming the fix.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 try:
@@ -49,4 +50,18 @@ except ImportError:  # a CPU install
     triton = _TritonStandIn("triton")  # type: ignore[assignment]
     tl = _Unavailable("triton.language")  # type: ignore[assignment]
 
-__all__ = ["HAVE_TRITON", "tl", "triton"]
+
+@functools.cache
+def num_sms(device: Any) -> int:
+    """Streaming multiprocessors (CUDA) / compute units (ROCm) of a ``torch.device``, asked
+    through Triton's active driver (vendor-neutral); 1 off a GPU."""
+    if device.type != "cuda":
+        return 1
+    from triton.runtime import driver as triton_driver
+
+    driver = triton_driver.active
+    index = device.index if device.index is not None else driver.get_current_device()
+    return int(driver.utils.get_device_properties(index)["multiprocessor_count"])
+
+
+__all__ = ["HAVE_TRITON", "num_sms", "tl", "triton"]

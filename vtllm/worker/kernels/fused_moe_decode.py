@@ -1,0 +1,218 @@
+"""The fused-MoE decode path: two kernels a layer when most experts see at most one pair.
+
+For ``num_tokens * top_k <= num_experts`` (``fused_moe.fused_moe`` chooses; the contract
+and the pair numbering are its): no sort and no padded rows. One program per (pair, N tile)
+reads its expert's gate and up rows and writes ``act(gate) * up`` (pairs that share an
+expert read it again, mostly from L2); then one program per (token, N tile) reads the down
+rows of all the token's k experts at once (a ``[k, BLOCK_N, BLOCK_K]`` tile per K step) and
+writes the routing-weighted sum straight to ``y`` (fp32 sum, rounded once)::
+
+    x [T, H] --(gate/up GEMV, act(gate) * up)--------------> inter [T*k, I]
+    inter    --(down GEMV of the k experts, weighted sum)--> y     [T, H]
+
+Launch configurations come from an H200 sweep (``benchmarks/fused_moe_kernel.py --sweep``).
+FP8 experts as in ``moe_common``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vtllm.worker.kernels._triton import num_sms, tl, triton
+from vtllm.worker.kernels.moe_common import (
+    ExpertScales,
+    block_scales,
+    gate_activation,
+    scale_args,
+)
+
+
+@triton.jit
+def _fused_moe_gemv_kernel(
+    out_ptr,  # [num_pairs, n]: act(gate) * up
+    a_ptr,  # [num_pairs // TOP_K, k]: the tokens
+    w_ptr,  # [num_experts, 2 * n, k]: gate rows, then up rows
+    scale_ptr,  # fp32 [E, rows] (W_SCALE 1) or [E, cdiv(rows, SCALE_BLOCK_N), cdiv(k, bk)] (2)
+    pair_expert_ids_ptr,  # [num_pairs] i32: topk_ids flattened
+    n,
+    k,
+    stride_a_row,
+    stride_out_row,
+    stride_w_expert,
+    stride_w_row,
+    stride_scale_expert,
+    stride_scale_row,
+    TOP_K: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    W_SCALE: tl.constexpr,
+    SCALE_BLOCK_N: tl.constexpr,
+    SCALE_BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """A program owns one pair's ``BLOCK_N`` intermediate outputs: its expert's gate and up
+    rows against the pair's token, fp32 dot, the activation, rounded once."""
+    pair_id = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    expert = tl.load(pair_expert_ids_ptr + pair_id).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n
+    offs_k = tl.arange(0, BLOCK_K)
+    a_row = a_ptr + (pair_id // TOP_K) * stride_a_row
+    w_ptrs = (  # [BLOCK_N, BLOCK_K]
+        w_ptr + expert * stride_w_expert + offs_n[:, None].to(tl.int64) * stride_w_row
+    ) + offs_k[None, :]
+    scale_base = scale_ptr + expert * stride_scale_expert
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        k_mask = offs_k + k0 < k
+        a = tl.load(a_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        w_up = tl.load(w_ptrs + n * stride_w_row, mask=w_mask, other=0.0).to(tl.float32)
+        part = tl.sum(w * a[None, :], axis=1)
+        part_up = tl.sum(w_up * a[None, :], axis=1)
+        if W_SCALE == 2:
+            part *= block_scales(
+                scale_base, offs_n, k0, n_mask, stride_scale_row, SCALE_BLOCK_N, SCALE_BLOCK_K
+            )
+            part_up *= block_scales(
+                scale_base, offs_n + n, k0, n_mask, stride_scale_row, SCALE_BLOCK_N, SCALE_BLOCK_K
+            )
+        acc += part
+        acc_up += part_up
+        w_ptrs += BLOCK_K
+    if W_SCALE == 1:
+        acc = acc * tl.load(scale_base + offs_n, mask=n_mask, other=0.0)
+        acc_up = acc_up * tl.load(scale_base + n + offs_n, mask=n_mask, other=0.0)
+    acc = gate_activation(acc, ACTIVATION) * acc_up
+    tl.store(out_ptr + pair_id * stride_out_row + offs_n, acc.to(out_ptr.dtype.element_ty), n_mask)
+
+
+@triton.jit
+def _fused_moe_down_sum_kernel(
+    out_ptr,  # [num_tokens, n]
+    a_ptr,  # [num_tokens * TOP_K, k]: the pairs' intermediate
+    w_ptr,  # [num_experts, n, k]
+    scale_ptr,  # as in the gate/up kernel
+    pair_weights_ptr,  # [num_pairs] fp32 / bf16 / fp16
+    pair_expert_ids_ptr,  # [num_pairs] i32
+    n,
+    k,
+    stride_a_row,
+    stride_out_row,
+    stride_w_expert,
+    stride_w_row,
+    stride_scale_expert,
+    stride_scale_row,
+    TOP_K: tl.constexpr,
+    W_SCALE: tl.constexpr,
+    SCALE_BLOCK_N: tl.constexpr,
+    SCALE_BLOCK_K: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,  # power of two >= TOP_K
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Decode path's down projection and weighted sum in one: a program owns one token's
+    ``BLOCK_N`` outputs and reads all ``TOP_K`` experts' rows at once (a
+    ``[TOP_K, BLOCK_N, BLOCK_K]`` tile per K step), so no per-pair output is stored."""
+    token = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_j = tl.arange(0, BLOCK_TOPK)
+    j_mask = offs_j < TOP_K
+    pairs = token * TOP_K + offs_j  # [J]
+    experts = tl.load(pair_expert_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)
+    weights = tl.load(pair_weights_ptr + pairs, mask=j_mask, other=0.0).to(tl.float32)  # [J]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = (  # [J, BLOCK_N, BLOCK_K]
+        w_ptr
+        + experts[:, None, None] * stride_w_expert
+        + offs_n[None, :, None].to(tl.int64) * stride_w_row
+        + offs_k[None, None, :]
+    )
+    a_ptrs = a_ptr + pairs[:, None] * stride_a_row + offs_k[None, :]  # [J, BLOCK_K]
+    scale_base = scale_ptr + experts * stride_scale_expert  # [J]
+    jn_mask = j_mask[:, None] & n_mask[None, :]  # [J, BLOCK_N]
+    acc = tl.zeros((BLOCK_TOPK, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        k_mask = offs_k + k0 < k
+        a = tl.load(a_ptrs, mask=j_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_mask[None, None, :], other=0.0)
+        part = tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)  # [J, BLOCK_N]
+        if W_SCALE == 2:
+            block_rows = (offs_n // SCALE_BLOCK_N).to(tl.int64) * stride_scale_row
+            part *= tl.load(
+                scale_base[:, None] + block_rows[None, :] + k0 // SCALE_BLOCK_K,
+                mask=jn_mask,
+                other=0.0,
+            )
+        acc += part
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if W_SCALE == 1:
+        acc *= tl.load(scale_base[:, None] + offs_n[None, :], mask=jn_mask, other=0.0)
+    out = tl.sum(acc * weights[:, None], axis=0)  # [BLOCK_N]: the weighted sum, fp32
+    out_ptrs = out_ptr + token * stride_out_row + offs_n
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _gemv_tiles(num_pairs: int, n: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the gate/up GEMV: the widest N tile (64, 32, 16)
+    that still gives every SM two programs. At batch 1 (8 pairs) a 64-wide tile would start
+    only 96 programs for a 768-wide expert and leave most of an H200's 132 SMs idle; those
+    16-wide tiles read K 256 at a time with 8 warps (H200 sweep, ``fused_moe_kernel.py
+    --sweep``: the top-8 layer 50.1 → 44.4 µs)."""
+    for block_n in (64, 32):
+        if num_pairs * triton.cdiv(n, block_n) >= 2 * num_sms(device):
+            return block_n, 128, 4
+    return 16, 256, 8
+
+
+def _down_sum_tiles(num_tokens: int, n: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the down-and-sum kernel: the widest N tile (32 ..
+    8) that gives every SM two programs (one token: 2048 outputs in 256 tiles of 8), K 128
+    at a time with 8 warps (H200 sweep: the top-8 layer at one token 50.1 → 39.0 µs, at
+    four 96.3 → 76.2 µs)."""
+    for block_n in (32, 16):
+        if num_tokens * triton.cdiv(n, block_n) >= 2 * num_sms(device):
+            return block_n, 128, 8
+    return 8, 128, 8
+
+
+def moe_decode(
+    x: torch.Tensor,  # [num_tokens, hidden], contiguous
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden], contiguous
+    w2: torch.Tensor,  # [num_experts, hidden, inter], contiguous
+    pair_weights: torch.Tensor,  # [num_pairs] fp32 / bf16 / fp16, contiguous
+    pair_experts: torch.Tensor,  # [num_pairs] i32, contiguous
+    activation: int,  # a ``moe_common.ACTIVATIONS`` code
+    w13_scales: ExpertScales | None = None,
+    w2_scales: ExpertScales | None = None,
+) -> torch.Tensor:
+    """``[num_tokens, hidden]`` in x's dtype: the decode path (module docstring) for
+    ``num_pairs = num_tokens * top_k`` pairs; inputs already checked by ``fused_moe``."""
+    num_tokens, hidden = x.shape
+    num_pairs, inter = pair_weights.numel(), w2.shape[2]
+    top_k = num_pairs // num_tokens
+    inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
+    block_n, block_k, num_warps = _gemv_tiles(num_pairs, inter, x.device)
+    scale, scale_strides, constexprs, block_k = scale_args(w13_scales, pair_weights, block_k)
+    _fused_moe_gemv_kernel[(num_pairs, triton.cdiv(inter, block_n))](
+        inter_out, x, w13, scale, pair_experts, inter, hidden,
+        x.stride(0), inter_out.stride(0), w13.stride(0), w13.stride(1), *scale_strides,
+        TOP_K=top_k, ACTIVATION=activation, **constexprs,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+    out = torch.empty_like(x)  # [T, H]
+    block_n, block_k, num_warps = _down_sum_tiles(num_tokens, hidden, x.device)
+    scale, scale_strides, constexprs, block_k = scale_args(w2_scales, pair_weights, block_k)
+    _fused_moe_down_sum_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+        out, inter_out, w2, scale, pair_weights, pair_experts, hidden, inter,
+        inter_out.stride(0), out.stride(0), w2.stride(0), w2.stride(1), *scale_strides,
+        TOP_K=top_k, **constexprs, BLOCK_TOPK=triton.next_power_of_2(top_k),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+    return out
