@@ -1,7 +1,8 @@
 """The fused-MoE kernel alone, at a Qwen3-30B-A3B MoE layer (hidden 2048, 128 experts,
 top-8, expert width 768, bf16), against its plain-torch reference.
 
-For each token count: both kernel paths' times (GEMV and grouped GEMM, to place the
+For each token count: the grouped path's pair sort (``moe_align``'s kernels vs its torch
+twin, graph-timed), both kernel paths' times (GEMV and grouped GEMM, to place the
 ``auto`` crossover), the path ``auto`` takes, its and the reference's times (CUDA events, median of
 ``--iters``), the bytes of the experts the step touches (each distinct expert's gate, up
 and down once, plus activations) and the achieved fraction of ``--peak-gbps`` (H200:
@@ -40,6 +41,7 @@ from benchmarks.fp8_decode import graph_us  # noqa: E402
 from vtllm.worker.kernels import fused_moe as moe_kernels  # noqa: E402
 from vtllm.worker.kernels import fused_moe_decode as decode_kernels  # noqa: E402
 from vtllm.worker.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
+from vtllm.worker.kernels.moe_align import align_pairs_by_expert, align_pairs_by_expert_ref  # noqa: E402
 from vtllm.worker.kernels.moe_routing import moe_route_ref  # noqa: E402
 from vtllm.worker.layers.moe import RouterSpec, select_experts  # noqa: E402
 from vtllm.worker.platform import detect_platform  # noqa: E402
@@ -203,6 +205,14 @@ def main() -> None:
         gemm_ms = _time_ms(fused_moe, args.iters, *problem, "silu", "gemm")
         kernel_ms = gemv_ms if auto == "gemv" else gemm_ms
         ref_ms = _time_ms(fused_moe_ref, max(3, args.iters // 10), *problem)
+        platform = detect_platform(0)
+        align_us = {  # the grouped path's pair sort: kernels vs the torch twin (graph-timed)
+            name: round(graph_us(platform, lambda i, fn=fn, ids=ids: fn(ids, experts, 64)), 1)
+            for name, fn in (
+                ("kernels", align_pairs_by_expert),
+                ("torch", align_pairs_by_expert_ref),
+            )
+        }
         touched = int(torch.unique(ids).numel())
         nbytes = touched * expert_bytes + 2 * x.numel() * 2
         gbps = nbytes / kernel_ms / 1e6
@@ -212,7 +222,7 @@ def main() -> None:
             "tokens": num_tokens, "auto_path": auto, "experts_touched": touched,
             "gemv_ms": round(gemv_ms, 4), "gemm_ms": round(gemm_ms, 4),
             "kernel_ms": round(kernel_ms, 4), "reference_ms": round(ref_ms, 3),
-            "speedup_vs_reference": round(ref_ms / kernel_ms, 1),
+            "speedup_vs_reference": round(ref_ms / kernel_ms, 1), "align_us": align_us,
             "expert_bytes_mb": round(nbytes / 1e6, 1), "gbps": round(gbps, 1),
             "roofline_fraction": round(gbps / args.peak_gbps, 3), "max_abs_err": float(error),
         }))  # fmt: skip

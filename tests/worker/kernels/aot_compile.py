@@ -29,6 +29,7 @@ from vtllm.worker.kernels import (
     fp8_matmul,
     fused_moe,
     fused_moe_decode,
+    moe_align,
     moe_routing,
     paged_attention,
     qkv_prep,
@@ -275,6 +276,11 @@ VARIANTS = [
         dict(TOP_K=6, BLOCK_TOPK=8, BLOCK_N=32, BLOCK_K=64, W_SCALE=1)
         | dict(SCALE_BLOCK_N=1, SCALE_BLOCK_K=1),
         fp8_pointers=("w_ptr",),
+    ),
+    Variant("moe_align/count-128", moe_align._count_kernel, "i32", dict(BLOCK_P=64, BLOCK_E=128)),
+    Variant("moe_align/layout-128", moe_align._layout_kernel, "i32", dict(BLOCK_E=128, BLOCK_B=64)),
+    Variant(
+        "moe_align/scatter-128", moe_align._scatter_kernel, "i32", dict(BLOCK_P=64, BLOCK_E=128)
     ),
     Variant(
         "moe_route/bf16-softmax-top8-of-128",

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vtllm.worker.kernels.fused_moe import align_pairs_by_expert, fused_moe, fused_moe_ref
+from vtllm.worker.kernels.fused_moe import fused_moe, fused_moe_ref
+from vtllm.worker.kernels.moe_align import align_pairs_by_expert, align_pairs_by_expert_ref
 
 from .marks import assert_close, gpu
 
@@ -31,7 +32,7 @@ def _problem(num_tokens, hidden, inter, num_experts, top_k, dtype, device, gener
 def test_align_pairs_by_expert_exact_layout():
     # pairs 0..5 (token t, slot j -> pair 2t + j) to experts 2 0 | 2 2 | 0 3; 4 experts
     topk_ids = torch.tensor([[2, 0], [2, 2], [0, 3]])
-    sorted_pair_ids, block_expert_ids, num_padded = align_pairs_by_expert(topk_ids, 4, 2)
+    sorted_pair_ids, block_expert_ids, num_padded = align_pairs_by_expert_ref(topk_ids, 4, 2)
     pad = 6
     # expert 0: pairs 1, 4 | expert 1: none | expert 2: pairs 0, 2, 3 (+pad) | expert 3: 5 (+pad)
     assert sorted_pair_ids.tolist()[:8] == [1, 4, 0, 2, 3, pad, 5, pad]
@@ -40,6 +41,27 @@ def test_align_pairs_by_expert_exact_layout():
     assert block_expert_ids.tolist()[:4] == [0, 2, 2, 3]
     # worst-case sizing: cdiv(6, 2) + min(4, 6) blocks
     assert block_expert_ids.numel() == 7 and sorted_pair_ids.numel() == 14
+
+
+@pytest.mark.parametrize(
+    "num_tokens, top_k, num_experts, block_m",
+    [(3, 2, 4, 2), (1, 8, 128, 16), (37, 8, 128, 16), (300, 8, 128, 64), (50, 2, 8, 16)],
+)
+def test_align_kernel_matches_reference(device, num_tokens, top_k, num_experts, block_m):
+    """The kernels' layout is the reference's up to the order of pairs inside an expert's
+    run: the same padding and block experts, the same set of pairs in every block."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    logits[:, : num_experts // 2] += 2.0  # uneven loads: some experts get many pairs
+    topk_ids = torch.topk(logits, top_k).indices.to(device)
+    actual = align_pairs_by_expert(topk_ids, num_experts, block_m)
+    expected = align_pairs_by_expert_ref(topk_ids, num_experts, block_m)
+    assert actual[2].tolist() == expected[2].tolist()
+    assert actual[1].tolist() == expected[1].tolist()
+    assert actual[0].numel() == expected[0].numel()
+    got = actual[0].view(-1, block_m).sort(dim=1).values
+    want = expected[0].view(-1, block_m).sort(dim=1).values
+    assert got.tolist() == want.tolist()
 
 
 def test_reference_matches_per_token_formula(generator):

@@ -8,7 +8,7 @@ of two paths by how many pairs each expert gets on average:
   ``fused_moe_decode.py``, two kernels a layer, no sort, no padded rows, the weighted sum
   inside the down kernel.
 * **grouped GEMM** (prefill and large batches, this module): pairs are sorted by expert and
-  each expert's run padded to a multiple of ``BLOCK_M`` (``align_pairs_by_expert``), so
+  each expert's run padded to a multiple of ``BLOCK_M`` (``moe_align.py``, 3 kernels), so
   every M-block of the sorted list belongs to one expert and is one ``tl.dot`` tile against
   that expert's weights::
 
@@ -36,6 +36,7 @@ import torch
 from vtllm.worker.kernels._triton import tl, triton
 from vtllm.worker.kernels.fp8_matmul import check_scale_block
 from vtllm.worker.kernels.fused_moe_decode import moe_decode
+from vtllm.worker.kernels.moe_align import align_pairs_by_expert
 from vtllm.worker.kernels.moe_common import (
     ACTIVATIONS,
     ExpertScales,
@@ -138,41 +139,6 @@ def _fused_moe_gemm_kernel(
         acc = acc * weights[:, None]
     out_ptrs = out_ptr + pair_ids.to(tl.int64)[:, None] * stride_out_row + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
-
-
-def align_pairs_by_expert(
-    topk_ids: torch.Tensor,  # [num_tokens, top_k]
-    num_experts: int,
-    block_m: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(sorted_pair_ids, block_expert_ids, num_padded)`` for the grouped GEMM (see the
-    module docstring): pair ids grouped by expert (stable: ascending within an expert), each
-    expert's run padded with ``num_pairs`` to a multiple of ``block_m``; the expert of each
-    ``block_m`` block; the used length as a 1-element tensor. Sized for the worst case
-    (``cdiv(P, block_m) + min(E, P)`` blocks) so that nothing waits on the device."""
-    device = topk_ids.device
-    expert_of_pair = topk_ids.flatten().long()  # [num_pairs]
-    num_pairs = expert_of_pair.numel()
-    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair))  # [E]
-    padded_counts = (counts + block_m - 1) // block_m * block_m  # [E]
-    padded_ends = padded_counts.cumsum(0)  # [E]
-    order = torch.argsort(expert_of_pair, stable=True)  # [num_pairs]: pairs by expert
-    sorted_experts = expert_of_pair[order]
-    rank_in_expert = (
-        torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
-    )
-    dest = (padded_ends - padded_counts)[sorted_experts] + rank_in_expert  # [num_pairs]
-    sorted_pair_ids = torch.full(
-        (max_blocks * block_m,), num_pairs, dtype=torch.int32, device=device
-    )
-    sorted_pair_ids[dest] = order.to(torch.int32)
-    block_starts = torch.arange(max_blocks, device=device) * block_m  # [max_blocks]
-    block_expert_ids = torch.searchsorted(padded_ends, block_starts, right=True)
-    block_expert_ids = block_expert_ids.clamp_(max=num_experts - 1).to(torch.int32)
-    num_padded = padded_ends[-1:].to(torch.int32)  # [1]
-    return sorted_pair_ids, block_expert_ids, num_padded
 
 
 def _gemm_tiles(num_pairs: int, num_experts: int, gated: bool) -> tuple[int, ...]:
