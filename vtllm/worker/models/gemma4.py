@@ -80,7 +80,6 @@ from vtllm.worker.models.llama import (
     act_and_mul,
 )
 
-
 # checkpoint tensors of a Gemma4ForConditionalGeneration that are not the text decoder
 _NON_TEXT_PREFIXES = (
     "model.vision_tower.",
