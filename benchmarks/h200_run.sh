@@ -117,7 +117,7 @@ for phase in "$@"; do
     moe-gpu-tests)
       timeout 240 python3 -m pytest -m gpu -q -rP -p no:cacheprovider --durations=10 \
         tests/worker/kernels/test_fused_moe.py tests/worker/kernels/test_moe_routing.py \
-        tests/worker/kernels/test_fp8_matmul.py tests/worker/test_gpu_moe.py \
+        tests/worker/kernels/test_fp8_matmul.py tests/worker/test_gpu_moe.py tests/worker/test_gpu_gemma4.py \
         >> "$OUT/gpu_tests.txt" 2>&1 ;;
     profile)
       for args in "--batch 1" "--batch 1 --eager" "--batch 64"; do
