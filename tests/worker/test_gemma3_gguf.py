@@ -13,7 +13,7 @@ storage by itself.
 * the tokenizer against ids recorded from transformers' GGUF tokenizer (building that
   tokenizer costs ~30 s, so it is not rebuilt here; ``test_tokenizer_...`` says how).
 
-Loading the reference costs ~40 s on 2 cores; the conversion is shared with the e2e test
+Loading the reference costs ~30 s on 2 cores (``tests/gguf_reference.py``); the conversion is shared with the e2e test
 through the session cache.
 """
 
@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from tests.gguf_reference import reading_each_gguf_once
 from vtllm.protocol.messages import SamplingParams
 from vtllm.worker.loader.gguf_convert import resolve_model_dir
 from vtllm.worker.loader.gguf_packages import find_parted_gguf, part_paths
@@ -73,9 +74,10 @@ def reference(gemma3_dir, vt_cache_dir):
     import transformers
 
     gguf_path = vt_cache_dir / "gguf" / "gemma-3-270m-q4_k_m.gguf"
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    ).eval()
+    with reading_each_gguf_once():  # config and weights from one parse of the file
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        ).eval()
     sequence = torch.tensor([PROMPT_IDS + GREEDY_IDS[:-1]])
     with torch.no_grad():
         unrounded = model(sequence).logits[0].float()

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import gguf
 import jinja2
@@ -21,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from tests.gguf_reference import ReaderKey, reading_each_gguf_once
 from vtllm.worker.loader import gguf_convert
 from vtllm.worker.loader.gguf_convert import (
     find_embedded_gguf,
@@ -72,19 +74,27 @@ def model_dir(conversion: tuple[Path, Path, list[str], float]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference_tokenizer(embedded_gguf: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(embedded_gguf.parent, gguf_file=embedded_gguf.name)
+def gguf_readers() -> dict[ReaderKey, Any]:
+    """transformers' readers of the embedded GGUF, shared by its references (one parse)."""
+    return {}
 
 
 @pytest.fixture(scope="module")
-def reference_model(embedded_gguf: Path):
+def reference_tokenizer(embedded_gguf: Path, gguf_readers: dict[ReaderKey, Any]):
+    from transformers import AutoTokenizer
+
+    with reading_each_gguf_once(gguf_readers):
+        return AutoTokenizer.from_pretrained(embedded_gguf.parent, gguf_file=embedded_gguf.name)
+
+
+@pytest.fixture(scope="module")
+def reference_model(embedded_gguf: Path, gguf_readers: dict[ReaderKey, Any]):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        embedded_gguf.parent, gguf_file=embedded_gguf.name, dtype=torch.float32
-    )
+    with reading_each_gguf_once(gguf_readers):
+        return AutoModelForCausalLM.from_pretrained(
+            embedded_gguf.parent, gguf_file=embedded_gguf.name, dtype=torch.float32
+        )
 
 
 def test_module_does_not_import_torch() -> None:
