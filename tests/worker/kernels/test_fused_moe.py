@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vtllm.worker.kernels.fused_moe import fused_moe, fused_moe_ref
+from vtllm.worker.kernels.fused_moe import fit_shared_memory, fused_moe, fused_moe_ref
 from vtllm.worker.kernels.moe_align import align_pairs_by_expert, align_pairs_by_expert_ref
 
 from .marks import assert_close, gpu
@@ -62,6 +62,16 @@ def test_align_kernel_matches_reference(device, num_tokens, top_k, num_experts, 
     got = actual[0].view(-1, block_m).sort(dim=1).values
     want = expected[0].view(-1, block_m).sort(dim=1).values
     assert got.tolist() == want.tolist()
+
+
+def test_grouped_tiles_shrink_to_fit_shared_memory():
+    h200, mi300 = 232_448, 65_536
+    # Triton asked 278,528 bytes of an H200 for this fp32 gate/up configuration
+    assert fit_shared_memory((64, 128, 64, 8, 4), 4, True, h200) == (64, 128, 64, 8, 2)
+    assert fit_shared_memory((64, 128, 64, 8, 4), 2, True, h200) == (64, 128, 64, 8, 4)
+    assert fit_shared_memory((64, 128, 64, 8, 3), 2, False, h200) == (64, 128, 64, 8, 3)
+    assert fit_shared_memory((64, 128, 64, 8, 4), 2, True, mi300) == (64, 128, 32, 8, 2)
+    assert fit_shared_memory((16, 128, 128, 4, 3), 2, True, mi300) == (16, 128, 32, 4, 2)
 
 
 def test_reference_matches_per_token_formula(generator):

@@ -64,4 +64,17 @@ def num_sms(device: Any) -> int:
     return int(driver.utils.get_device_properties(index)["multiprocessor_count"])
 
 
-__all__ = ["HAVE_TRITON", "num_sms", "tl", "triton"]
+@functools.cache
+def max_shared_memory(device: Any) -> int:
+    """Bytes of shared memory (LDS on ROCm) one program may use on a ``torch.device``
+    (H200: 232,448; MI300: 65,536), from Triton's active driver; unbounded off a GPU."""
+    if device.type != "cuda":
+        return 1 << 40
+    from triton.runtime import driver as triton_driver
+
+    driver = triton_driver.active
+    index = device.index if device.index is not None else driver.get_current_device()
+    return int(driver.utils.get_device_properties(index)["max_shared_mem"])
+
+
+__all__ = ["HAVE_TRITON", "max_shared_memory", "num_sms", "tl", "triton"]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from vtllm.worker.kernels._triton import tl, triton
+from vtllm.worker.kernels._triton import max_shared_memory, tl, triton
 from vtllm.worker.kernels.fp8_matmul import check_scale_block
 from vtllm.worker.kernels.fused_moe_decode import moe_decode
 from vtllm.worker.kernels.moe_align import align_pairs_by_expert
@@ -156,6 +156,27 @@ def _gemm_tiles(num_pairs: int, num_experts: int, gated: bool) -> tuple[int, ...
     return (64, 128, 64, 8, 4) if gated else (64, 128, 64, 8, 3)
 
 
+def fit_shared_memory(
+    tiles: tuple[int, ...], element_size: int, gated: bool, limit: int
+) -> tuple[int, ...]:
+    """``tiles`` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) with fewer stages, then a
+    narrower BLOCK_K, until the pipeline's buffers fit ``limit`` bytes: per stage an A tile
+    and one (two when ``gated``) weight tiles, plus the output tile (Triton's count on an
+    H200 for the fp32 gate/up at 64×128×64, 4 stages: 3 × 80 KiB + 32 KiB). The bf16 tiles
+    of ``_gemm_tiles`` fit an H200 as they are; fp32 ones and ROCm's 64 KiB LDS shrink."""
+    block_m, block_n, block_k, warps, stages = tiles
+
+    def needed(block_k: int, stages: int) -> int:
+        per_stage = block_m * block_k + (2 if gated else 1) * block_k * block_n
+        return (stages * per_stage + block_m * block_n) * element_size
+
+    while needed(block_k, stages) > limit and stages > 2:
+        stages -= 1
+    while needed(block_k, stages) > limit and block_k > 16:
+        block_k //= 2
+    return block_m, block_n, block_k, warps, stages
+
+
 def _launch_gemm(
     out: torch.Tensor,  # [num_pairs, n]
     a: torch.Tensor,  # [num_a_rows, k]
@@ -171,7 +192,11 @@ def _launch_gemm(
     routing weight, a holds the pairs' intermediate)."""
     num_pairs, n = out.shape
     sorted_pair_ids, block_expert_ids, num_padded, block_m = alignment
-    _, block_n, block_k, num_warps, num_stages = _gemm_tiles(num_pairs, w.shape[0], gated)
+    tiles = (block_m, *_gemm_tiles(num_pairs, w.shape[0], gated)[1:])
+    limit = max_shared_memory(out.device)
+    _, block_n, block_k, num_warps, num_stages = fit_shared_memory(
+        tiles, a.element_size(), gated, limit
+    )
     scale, scale_strides, constexprs, block_k = scale_args(scales, pair_weights, block_k)
     grid = (block_expert_ids.numel(), triton.cdiv(n, block_n))
     _fused_moe_gemm_kernel[grid](
