@@ -51,30 +51,27 @@ except ImportError:  # a CPU install
     tl = _Unavailable("triton.language")  # type: ignore[assignment]
 
 
-@functools.cache
-def num_sms(device: Any) -> int:
-    """Streaming multiprocessors (CUDA) / compute units (ROCm) of a ``torch.device``, asked
-    through Triton's active driver (vendor-neutral); 1 off a GPU."""
-    if device.type != "cuda":
-        return 1
+def _device_property(device: Any, key: str) -> int:
+    """A property of a GPU ``torch.device`` from Triton's active driver (vendor-neutral)."""
     from triton.runtime import driver as triton_driver
 
     driver = triton_driver.active
     index = device.index if device.index is not None else driver.get_current_device()
-    return int(driver.utils.get_device_properties(index)["multiprocessor_count"])
+    return int(driver.utils.get_device_properties(index)[key])
+
+
+@functools.cache
+def num_sms(device: Any) -> int:
+    """Streaming multiprocessors (CUDA) / compute units (ROCm) of a ``torch.device``; 1 off
+    a GPU."""
+    return _device_property(device, "multiprocessor_count") if device.type == "cuda" else 1
 
 
 @functools.cache
 def max_shared_memory(device: Any) -> int:
     """Bytes of shared memory (LDS on ROCm) one program may use on a ``torch.device``
-    (H200: 232,448; MI300: 65,536), from Triton's active driver; unbounded off a GPU."""
-    if device.type != "cuda":
-        return 1 << 40
-    from triton.runtime import driver as triton_driver
-
-    driver = triton_driver.active
-    index = device.index if device.index is not None else driver.get_current_device()
-    return int(driver.utils.get_device_properties(index)["max_shared_mem"])
+    (H200: 232,448; MI300: 65,536); unbounded off a GPU."""
+    return _device_property(device, "max_shared_mem") if device.type == "cuda" else 1 << 40
 
 
 __all__ = ["HAVE_TRITON", "max_shared_memory", "num_sms", "tl", "triton"]
