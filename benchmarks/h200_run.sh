@@ -5,6 +5,7 @@
 # Phases, run in the order given:
 #   graph-tests   the decode-graph GPU tests (fast)
 #   gpu-tests     every `pytest -m gpu` test
+#   gpu-subset    the GPU tests named in $GPU_TESTS (pytest arguments; $GPU_SUBSET_TIMEOUT s)
 #   load-tests    weights to the GPU with the host RSS peak: a 1.6 GiB safetensors checkpoint
 #                 and a 16 GiB random model (tests/worker/test_weight_streaming.py)
 #   bench-SHAPE   `vtllm bench all` (decode graphs) and `vtllm bench latency --enforce-eager`
@@ -18,6 +19,8 @@
 #                 [100, 1024]) in bf16, then again with `--quantization fp8` (skipped with a
 #                 message where this tree has no such flag; a shape missing from MODEL_SHAPES
 #                 is skipped too)
+#   async-SHAPE   `vtllm bench latency` (batch 1, decode graphs) without, then with
+#                 --async-scheduling (skipped where this tree has no such flag)
 #   moe-kernel    benchmarks/fused_moe_kernel.py: the fused-MoE kernel vs its torch reference
 #   moe-sweep     its --sweep: decode-path launch configurations at 1, 4, 16 tokens, and the
 #                 routed layer with the routing kernel vs torch routing
@@ -59,6 +62,9 @@ for phase in "$@"; do
     graph-tests)
       timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -k graphs \
         tests/worker/test_gpu_worker.py >> "$OUT/gpu_tests.txt" 2>&1 ;;
+    gpu-subset)
+      timeout ${GPU_SUBSET_TIMEOUT:-300} python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 \
+        $GPU_TESTS >> "$OUT/gpu_tests.txt" 2>&1 ;;
     load-tests)
       timeout 150 python3 -m pytest -m gpu -q -rP -p no:cacheprovider \
         tests/worker/test_weight_streaming.py >> "$OUT/gpu_tests.txt" 2>&1 ;;
@@ -91,6 +97,17 @@ for phase in "$@"; do
       if ! has_shape "$shape"; then echo "skip $phase: no $shape in MODEL_SHAPES"; continue; fi
       timeout $limit python3 benchmarks/hf_baseline.py --model-shape "$shape" all \
         --num-prompts $prompts >> "$OUT/bench.jsonl" 2>> "$OUT/hf_$shape.log" ;;
+    async-*)
+      shape=${phase#async-}
+      if ! has_shape "$shape"; then echo "skip $phase: no $shape in MODEL_SHAPES"; continue; fi
+      if ! python3 -m vtllm.cli bench latency --help 2>/dev/null | grep -q -- "--async-scheduling"; then
+        echo "skip $phase: this tree has no --async-scheduling"; continue
+      fi
+      for flag in "" --async-scheduling; do  # same call: synchronous first, then async
+        timeout 120 python3 -m vtllm.cli bench latency --model-shape "$shape" $BENCH $flag \
+          >> "$OUT/bench.jsonl" 2>> "$OUT/async_$shape.log"
+        tail -1 "$OUT/bench.jsonl"
+      done ;;
     moe-kernel)
       timeout 50 python3 benchmarks/fused_moe_kernel.py >> "$OUT/moe_kernel.jsonl" 2>&1
       tail -8 "$OUT/moe_kernel.jsonl" ;;
