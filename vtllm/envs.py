@@ -91,6 +91,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VT_CPU_THREADS": lambda: (
         _int("VT_CPU_THREADS", 0) if os.environ.get("VT_CPU_THREADS", "").strip() else None
     ),
+    # GPU workers with decode graphs: time the GEMV kernel against the library GEMM per
+    # weight shape at start-up and use it at 1-4 rows where it wins (auto), or never (off).
+    "VT_SMALL_BATCH_GEMV": lambda: _choice("VT_SMALL_BATCH_GEMV", ("auto", "off"), "auto"),
     # Most stop strings in one request (HTTP schema).
     "VT_MAX_STOP_STRINGS": lambda: _int("VT_MAX_STOP_STRINGS", 64),
     # Most characters of one stop string (HTTP schema).

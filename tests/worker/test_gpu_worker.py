@@ -180,10 +180,14 @@ def _start_worker(config: VtllmConfig, model_dir):
     return engine, [proc]
 
 
-@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama3-8b"])
-def test_realistic_shape_bf16_matches_transformers(shape, tmp_path):
+@pytest.mark.parametrize(
+    "shape, gemv", [("qwen3-0.6b", False), ("llama3-8b", False), ("qwen3-0.6b", True)]
+)
+def test_realistic_shape_bf16_matches_transformers(shape, gemv, tmp_path):
     """Full hidden / head / vocab dimensions of Qwen3-0.6B and Llama-3-8B (4 layers, random
-    weights), bf16 on both sides: prefill + 16 decode steps, two requests per batch."""
+    weights), bf16 on both sides: prefill + 16 decode steps, two requests per batch. With
+    ``gemv``: every dense linear and the LM head through the small-batch GEMV (what
+    ``VT_SMALL_BATCH_GEMV`` installs where it wins) for the 2-row decode steps."""
     import random
 
     import transformers
@@ -200,6 +204,13 @@ def test_realistic_shape_bf16_matches_transformers(shape, tmp_path):
         hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     hf_model.eval().save_pretrained(tmp_path, safe_serialization=True)
     runner = ModelRunner.from_model_dir(tmp_path, device, torch.bfloat16, seed=0)
+    if gemv:
+        from vtllm.worker.kernels.gemv import CANDIDATE_TILES
+        from vtllm.worker.layers.small_batch import GemvMethod, _dense_layers
+
+        for layers in _dense_layers(runner.model).values():
+            for layer in layers:
+                layer.linear_method = GemvMethod(CANDIDATE_TILES[1])
     runner.init_kv_cache(num_blocks=256, block_size=16)
     engine = EngineSim(runner.execute, num_blocks=256, block_size=16)
     rng = random.Random(0)
@@ -229,7 +240,8 @@ def test_realistic_shape_bf16_matches_transformers(shape, tmp_path):
                 assert expected.max() - expected[chosen] < 0.12
                 same_pick += chosen == int(expected.argmax())
             schedule = {"a": 1, "b": 1}
-    print(f"{shape} bf16 vs transformers: max |dlogprob| {worst:.4f}, {same_pick}/34 same pick")
+    label = f"{shape}{' (GEMV)' if gemv else ''}"
+    print(f"{label} bf16 vs transformers: max |dlogprob| {worst:.4f}, {same_pick}/34 same pick")
 
 
 @pytest.mark.parametrize("max_model_len", [64, 8192])

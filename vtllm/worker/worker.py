@@ -43,6 +43,7 @@ from vtllm.worker.distributed import destroy_distributed, init_distributed
 from vtllm.worker.heartbeat import HeartbeatSender
 from vtllm.worker.kv_cache_dtype import describe_kv_scales, is_fp8, resolve_kv_cache_dtype
 from vtllm.worker.layers.cpu_quant import choose_quantization, fast_int4_cpu
+from vtllm.worker.layers.small_batch import tune_small_batch_linears
 from vtllm.worker.loader.hf_config import load_hf_config, model_facts
 from vtllm.worker.loader.quant_config import resolve_quantization
 from vtllm.worker.memory_budget import memory_budget
@@ -149,6 +150,9 @@ def _serve(
     facts = model_facts(model_dir, hf_config, name, runner.kv_cache_specs(), kv_dtype)
     _log_kv_cache_dtype(config, runner, kv_dtype, facts.kv_bytes_per_token)
     use_graphs = _use_graphs(config, platform, runner)
+    if use_graphs and envs.VT_SMALL_BATCH_GEMV == "auto":
+        heartbeat.phase = "timing small-batch linears"
+        tune_small_batch_linears(runner.model, platform)
     heartbeat.phase = "profiling memory"
     started = time.monotonic()
     max_position = facts.max_position_embeddings

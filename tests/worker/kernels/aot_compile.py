@@ -29,6 +29,7 @@ from vtllm.worker.kernels import (
     fp8_matmul,
     fused_moe,
     fused_moe_decode,
+    gemv,
     moe_align,
     moe_routing,
     paged_attention,
@@ -277,6 +278,8 @@ VARIANTS = [
         | dict(SCALE_BLOCK_N=1, SCALE_BLOCK_K=1),
         fp8_pointers=("w_ptr",),
     ),
+    Variant("gemv/bf16-1-row", gemv._gemv_kernel, "bf16", dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256)),
+    Variant("gemv/fp16-4-rows", gemv._gemv_kernel, "fp16", dict(BLOCK_M=4, BLOCK_N=8, BLOCK_K=256)),
     Variant("moe_align/count-128", moe_align._count_kernel, "i32", dict(BLOCK_P=64, BLOCK_E=128)),
     Variant("moe_align/layout-128", moe_align._layout_kernel, "i32", dict(BLOCK_E=128, BLOCK_B=64)),
     Variant(

@@ -1,0 +1,115 @@
+"""Dense ``y = x W^T`` for a few rows (decode batches of 1–4): a GEMV, beside ``F.linear``.
+
+At one token a linear layer reads its whole weight to make one row; the library GEMM
+(cuBLAS / hipBLASLt) runs these small products at a fraction of the memory bandwidth —
+on an H200, Qwen3-0.6B's four linears a layer take ~27 µs where their 31 MB could stream
+in ~7 µs (profile in docs/BENCHMARKS.md). Here one program owns ``BLOCK_N`` outputs of
+every row: it streams its ``[BLOCK_N, BLOCK_K]`` weight tiles once, multiplies them with
+the ``BLOCK_M`` rows of x in fp32 (``tl.sum``, no tensor cores: at this size the product
+is free and the tiles' bytes are all that matters), and rounds once::
+
+    x [M, K] (M <= 4)  ·  W [N, K]  ->  y [M, N]      one program per BLOCK_N outputs
+
+Which of the two is faster depends on the shape and the device, so nothing here decides:
+``layers/small_batch.py`` times both for each of a model's weight shapes at start-up and
+installs this kernel only where it wins. ``gemv_ref`` is the torch twin (``F.linear``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vtllm.worker.kernels._triton import tl, triton
+
+# the most rows the kernel takes (a decode batch up to this size)
+MAX_GEMV_ROWS = 4
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """A launch configuration of ``_gemv_kernel``."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+# configurations tried at start-up (small_batch.py): narrow N tiles give every SM work on
+# 1024-wide outputs; long K tiles keep bytes in flight
+CANDIDATE_TILES = (
+    GemvTiles(8, 256, 4),
+    GemvTiles(16, 256, 8),
+    GemvTiles(16, 512, 8),
+    GemvTiles(32, 128, 4),
+    GemvTiles(32, 256, 8),
+)
+
+
+@triton.jit
+def _gemv_kernel(
+    out_ptr,  # [M, N]
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    M,
+    N,
+    K,
+    stride_x_row,
+    stride_out_row,
+    stride_w_row,
+    BLOCK_M: tl.constexpr,  # power of two >= M
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None] * stride_x_row + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w_row + offs_k[None, :]  # [N, K]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k + k0 < K
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BLOCK_M, BLOCK_N]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_ptrs = out_ptr + offs_m[:, None] * stride_out_row + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def gemv(
+    x: torch.Tensor,  # [M, K], M <= MAX_GEMV_ROWS
+    weight: torch.Tensor,  # [N, K]
+    tiles: GemvTiles,
+) -> torch.Tensor:
+    """``x @ weight.T`` as ``[M, N]`` in x's dtype (fp32 accumulation, rounded once).
+    ValueError for more than ``MAX_GEMV_ROWS`` rows or shapes that disagree."""
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    if num_rows > MAX_GEMV_ROWS or weight.shape[1] != k:
+        raise ValueError(
+            f"gemv takes at most {MAX_GEMV_ROWS} rows and matching K: x {tuple(x.shape)}, "
+            f"weight {tuple(weight.shape)}"
+        )
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
+        out, x, weight, num_rows, n, k, x.stride(0), out.stride(0), weight.stride(0),
+        BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The torch twin: ``F.linear`` (what the layer runs when the kernel does not win)."""
+    return F.linear(x, weight)
