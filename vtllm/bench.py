@@ -378,6 +378,7 @@ def run_bench(kind: str, args: argparse.Namespace, config: VtllmConfig) -> int:
                 quantization=getattr(config.model, "quantization", None),
                 kv_cache_dtype=getattr(config.cache, "kv_cache_dtype", "auto"),
                 decode_graphs=graphs,
+                async_scheduling=config.scheduler.async_scheduling,
                 weight_gib=round(sizes.total_weight_bytes / 1024**3, 3),
                 step_weight_fraction=round(sizes.step_weight_fraction, 4),
                 copy_bandwidth_gb_s=round(bandwidth / 1e9, 1) if bandwidth else None,

@@ -210,6 +210,15 @@ class SchedulerConfig:
         "flowing too); the rest of --max-num-batched-tokens serves the others. 0: no cap, "
         "a prefill takes the whole budget.",
     )
+    async_scheduling: bool = _opt(
+        False,
+        "Schedule and send step N+1 while the workers still run step N, so the engine "
+        "core's scheduling, the IPC and the worker's input preparation overlap the "
+        "device instead of adding to every step. Outputs are the same as without it. "
+        "Steps go back to one at a time while a request with a structured output, "
+        "penalties, min_tokens, logprobs or pooling is running (they need each step's "
+        "tokens on the host first).",
+    )
     max_waiting_requests: int = _opt(
         4096,
         "Most requests waiting in the engine core (admitted, not yet running or "

@@ -14,6 +14,8 @@ from vtllm.protocol import messages as m
 
 VOCAB = 1000
 EOS = 2
+# every test here runs again with async scheduling (test_async_scheduling.py sets it)
+ASYNC_SCHEDULING = False
 
 
 def make_core(
@@ -26,8 +28,12 @@ def make_core(
     caching: bool = True,
     reserve_full_sequence: bool = False,
     long_prefill_token_threshold: int | None = None,  # None: the config's default
+    async_scheduling: bool | None = None,  # None: ASYNC_SCHEDULING
 ) -> tuple[EngineCore, FakeExecutor]:
     config = VtllmConfig()
+    config.scheduler.async_scheduling = (
+        ASYNC_SCHEDULING if async_scheduling is None else async_scheduling
+    )
     config.cache.block_size = block_size
     config.cache.enable_prefix_caching = caching
     config.scheduler.max_num_batched_tokens = max_num_batched_tokens

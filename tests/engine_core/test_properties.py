@@ -12,6 +12,10 @@ Checked after every rule:
   every scheduled step wrote, and itself asserts every read);
 - only running requests hold blocks, enough for their computed tokens;
 
+- with async scheduling: at most one step in flight between calls, and each live request
+  counts exactly one output placeholder per step in flight that is due its token (the
+  fake executor asserts that a fed position takes the token of the step just before);
+
 and when every request has ended: every block is back in the free pool, nothing is left
 in the scheduler or the workers, and every request that was not aborted produced exactly
 the tokens of an unconstrained run (chunking, prefix hits and preemption change nothing).
@@ -25,7 +29,7 @@ INVALID_REQUEST without a token.
 Workloads: fcfs / priority / lpm, small pools (preemption), small budgets (chunking),
 shared prefixes (prefix hits), cache salts, aborts at random moments, reserve-full-sequence
 on and off, the long-prefill threshold on and off, grammars that compile late or not at
-all. Bounded to run in seconds.
+all, async scheduling on and off. Bounded to run in seconds.
 """
 
 from __future__ import annotations
@@ -161,19 +165,24 @@ REQUEST = st.tuples(
 )
 
 
+ENGINE = {
+    "policy": st.sampled_from(["fcfs", "priority", "lpm"]),
+    "block_size": st.sampled_from([2, 4]),
+    "max_model_len": st.integers(8, 40),
+    "spare_blocks": st.integers(0, 4),
+    "budget": st.integers(1, 48),
+    "max_num_seqs": st.sampled_from([1, 2, 3, 4, 6]),
+    "caching": st.sampled_from([True, True, False]),
+    "reserve": st.sampled_from([False, False, True]),
+    "threshold": st.sampled_from([0, 1, 3, 8]),
+    "initial": st.lists(REQUEST, min_size=2, max_size=6),  # contention from the start
+}
+# without grammars (a live one makes async scheduling run steps one at a time)
+REQUEST_NO_GRAMMAR = REQUEST.map(lambda spec: (*spec[:-1], None))
+
+
 class EngineMachine(RuleBasedStateMachine):
-    @initialize(
-        policy=st.sampled_from(["fcfs", "priority", "lpm"]),
-        block_size=st.sampled_from([2, 4]),
-        max_model_len=st.integers(8, 40),
-        spare_blocks=st.integers(0, 4),
-        budget=st.integers(1, 48),
-        max_num_seqs=st.sampled_from([1, 2, 3, 4, 6]),
-        caching=st.sampled_from([True, True, False]),
-        reserve=st.sampled_from([False, False, True]),
-        threshold=st.sampled_from([0, 1, 3, 8]),
-        initial=st.lists(REQUEST, min_size=2, max_size=6),  # contention from the start
-    )
+    @initialize(**ENGINE, async_scheduling=st.booleans())
     def make_engine(
         self,
         policy: str,
@@ -186,8 +195,10 @@ class EngineMachine(RuleBasedStateMachine):
         reserve: bool,
         threshold: int,
         initial: list[tuple],
+        async_scheduling: bool = False,
     ) -> None:
         config = VtllmConfig()
+        config.scheduler.async_scheduling = async_scheduling
         config.cache.block_size = block_size
         config.cache.enable_prefix_caching = caching
         config.scheduler.scheduling_policy = policy
@@ -319,6 +330,17 @@ class EngineMachine(RuleBasedStateMachine):
         assert scheduler.num_awaiting_grammar == len(awaiting)
         assert not any(r.awaiting_grammar for r in scheduler.running)
         assert set(self.core._awaiting_grammars) == {r.request_id for r in awaiting}
+        # output placeholders: one per step in flight that is due a token of the request
+        in_flight = self.core._in_flight
+        assert len(in_flight) <= (1 if self.core.async_scheduling else 0)
+        for request in scheduler.requests.values():
+            due = sum(
+                1
+                for step in in_flight
+                if step.requests.get(request.request_id) is request
+                and request.request_id in step.due_token_ids
+            )
+            assert request.num_output_placeholders == due, request
 
     def _record_hashes(self) -> None:
         """Remember which tokens each hash stands for (every hash a step can publish
@@ -367,6 +389,7 @@ class EngineMachine(RuleBasedStateMachine):
         )
         event(f"chunked prefill: {chunked}")
         event(f"grammar failed: {any(g == UNCOMPILABLE for g in self.grammars.values())}")
+        event(f"async, token fed from the step before: {self.executor.num_placeholder_inputs > 0}")
         pool = self.core.scheduler.kv.pool
         assert pool.num_free_blocks == pool.num_usable_blocks
         assert self.core.scheduler.requests == {} and self.executor.states == {}
@@ -374,7 +397,9 @@ class EngineMachine(RuleBasedStateMachine):
         assert len(self.core.progress) == 0
         for request_id, prompt in self.prompts.items():
             tokens = self.tokens[request_id]
-            if request_id in self.dropped:  # the drop came before any other end
+            # the drop came before any other end (async: unless the step in flight at the
+            # disruption already sampled the request's last token; then it never applied)
+            if request_id in self.dropped and request_id not in self.executor.dropped_tokens:
                 assert self.finished[request_id] in (m.FinishReason.ERROR, m.FinishReason.ABORT)
             if self.grammars.get(request_id) == UNCOMPILABLE:  # ended before any step
                 assert self.finished[request_id] in (m.FinishReason.ERROR, m.FinishReason.ABORT)
@@ -386,3 +411,22 @@ class EngineMachine(RuleBasedStateMachine):
 
 TestEngine = EngineMachine.TestCase
 TestEngine.settings = settings(SETTINGS, max_examples=100, stateful_step_count=40)
+
+
+class AsyncEngineMachine(EngineMachine):
+    """Async scheduling throughout: no grammars, so steps overlap whenever they can."""
+
+    @initialize(
+        **{**ENGINE, "initial": st.lists(REQUEST_NO_GRAMMAR, min_size=2, max_size=6)},
+        async_scheduling=st.just(True),
+    )
+    def make_engine(self, **kwargs) -> None:
+        super().make_engine(**kwargs)
+
+    @rule(spec=REQUEST_NO_GRAMMAR)
+    def add(self, spec: tuple) -> None:
+        super().add(spec)
+
+
+TestAsyncEngine = AsyncEngineMachine.TestCase
+TestAsyncEngine.settings = settings(SETTINGS, max_examples=100, stateful_step_count=40)

@@ -126,7 +126,9 @@ def test_decode_batches_take_the_padded_path_only_when_they_fit(model_dir):
     graphs = runner.decode_graphs
     calls: list[int] = []
     original = graphs.run
-    graphs.run = lambda batch: calls.append(len(batch.query_lens)) or original(batch)
+    graphs.run = lambda batch, feed=None: (
+        calls.append(len(batch.query_lens)) or original(batch, feed)
+    )
     engine = EngineSim(runner.execute, num_blocks=128, block_size=4, seed=3)
     greedy = SamplingParams(temperature=0.0)
     for i in range(7):

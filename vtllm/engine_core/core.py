@@ -11,6 +11,19 @@ at the start of each step) — compiled: it may be scheduled; failed, or not in 
 ``VT_GRAMMAR_COMPILE_TIMEOUT_S``: it ends with an ``INVALID_REQUEST`` error. Every request
 that asked for a compile is released on the driver when it finishes, however it ends.
 Requests without one cost nothing of this: no message, no wait.
+
+Async scheduling (``--async-scheduling``): ``step`` schedules and submits step N+1 before
+it collects step N, so scheduling, output handling and the IPC overlap the workers'
+compute; at most one step is in flight beyond the one being collected::
+
+    sync    schedule N ─ submit N ─ collect N ─ update N │ schedule N+1 ─ ...
+    async   schedule N+1 ─ submit N+1 ─ collect N ─ update N │ schedule N+2 ─ ...
+                                  (N+1 runs on the workers while N is updated)
+
+The scheduler's output placeholders (``scheduler.py``) keep KV blocks, ``max_tokens`` and
+stops exact. While a live request needs its tokens on the host before each sample
+(``needs_host_tokens``: structured outputs, penalties, min_tokens, logprobs, pooling), or
+under tensor parallelism (for now), steps run one at a time (logged once per change).
 """
 
 from __future__ import annotations
@@ -18,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,7 +41,7 @@ from vtllm import envs
 from vtllm.config import VtllmConfig
 from vtllm.engine_core.guards import validate_request
 from vtllm.engine_core.request import Request, RequestStatus
-from vtllm.engine_core.scheduler import Scheduler
+from vtllm.engine_core.scheduler import ScheduledStep, Scheduler
 from vtllm.engine_core.step_log import HeartbeatSnapshot, LoopCounters, PrefillProgress
 from vtllm.protocol import messages as m
 from vtllm.protocol.limits import Refusal, request_id_problem, resolve_max_tokens
@@ -50,7 +64,12 @@ def _short(request_id: str) -> str:
 
 
 class Executor(Protocol):
-    def execute(self, step: m.SchedulerOutput) -> m.ModelRunnerOutput: ...
+    def submit(self, step: m.SchedulerOutput) -> None:
+        """Send one step to the workers without waiting for it; steps run in order."""
+
+    def collect(self) -> m.ModelRunnerOutput:
+        """The result of the oldest submitted step not collected yet (waits for it;
+        raises as the executor's deadlines say)."""
 
     def compile_grammar(self, request_id: str, seq: int, spec: m.StructuredOutputSpec) -> None:
         """Start compiling on the driver; never raises (a dead worker shows at the next
@@ -121,6 +140,17 @@ class EngineCore:
         # request id → (seq of its CompileGrammar, monotonic deadline), until answered
         self._awaiting_grammars: dict[str, tuple[int, float]] = {}
         self._grammar_ids: set[str] = set()  # live requests whose grammar the driver holds
+        # steps submitted and not collected yet, oldest first (at most 2 while async)
+        self._in_flight: deque[ScheduledStep] = deque()
+        self.async_scheduling = config.scheduler.async_scheduling
+        if self.async_scheduling and config.parallel.tensor_parallel_size > 1:
+            logger.warning(
+                "--async-scheduling is not supported with --tensor-parallel-size %d yet "
+                "(the other ranks would need rank 0's sampled tokens); steps run one at a time",
+                config.parallel.tensor_parallel_size,
+            )
+            self.async_scheduling = False
+        self._overlapping = self.async_scheduling  # what the last step did, for the log
         warning = reserve_full_sequence_warning(config, facts)
         if warning is not None:
             logger.warning(warning)
@@ -349,33 +379,75 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._awaiting_grammars)
+        return self.scheduler.has_work() or bool(self._awaiting_grammars) or bool(self._in_flight)
 
     def step(self) -> tuple[Outputs, m.SchedulerStats | None]:
-        """Collect compiled grammars, then schedule, execute, update. Returns outputs per
-        client and this step's stats (None when there was nothing to execute). With only
-        requests waiting for grammars, it waits up to ``_GRAMMAR_POLL_S`` for one."""
-        grammar_outputs: Outputs = []
+        """Collect compiled grammars, then schedule and submit a step, and collect the
+        oldest step in flight and apply its result. Returns outputs per client and the
+        collected step's stats (None when no step was collected). With only requests
+        waiting for grammars, it waits up to ``_GRAMMAR_POLL_S`` for one.
+
+        Sync (the default): the step submitted is the step collected. Async: the step
+        submitted stays in flight while the one before it is collected; a step is
+        collected without a new one when there is nothing to schedule, and the one in
+        flight is drained first when steps must run one at a time (``_may_overlap``)."""
+        outputs: Outputs = []
         if self._awaiting_grammars:
-            wait_s = 0.0 if self.scheduler.has_work() else _GRAMMAR_POLL_S
-            grammar_outputs = self._collect_grammars(wait_s)
-        if not self.scheduler.has_work():
-            return grammar_outputs, None
-        step = self.scheduler.schedule()
+            wait_s = 0.0 if self.scheduler.has_work() or self._in_flight else _GRAMMAR_POLL_S
+            outputs = self._collect_grammars(wait_s)
+        overlap = self._may_overlap()
+        num_collected = 0
+        if self._in_flight and not overlap:
+            outputs += self._finish_oldest()
+            num_collected += 1
+        submitted = False
+        if self.scheduler.has_work():
+            step = self.scheduler.schedule()
+            if not self._in_flight or _has_news(step):
+                self._submit(step)
+                submitted = True
+        if self._in_flight and (not submitted or len(self._in_flight) > int(overlap)):
+            outputs += self._finish_oldest()
+            num_collected += 1
+        return outputs, self._stats() if num_collected else None
+
+    def _may_overlap(self) -> bool:
+        """Whether the next step may be scheduled while one is in flight: async
+        scheduling is on and no live request needs its tokens on the host first."""
+        if not self.async_scheduling:
+            return False
+        overlap = self.scheduler.num_needing_host_tokens == 0
+        if overlap != self._overlapping:
+            self._overlapping = overlap
+            logger.info(
+                "async scheduling %s",
+                "resumed"
+                if overlap
+                else "paused: a running request needs each sampled token on the host "
+                "(structured output, penalties, min_tokens, logprobs or pooling); steps run "
+                "one at a time until no such request is live",
+            )
+        return overlap
+
+    def _submit(self, step: ScheduledStep) -> None:
         for request_id, (num_done, num_chunk) in step.prefill_chunks.items():
             request = self.scheduler.requests[request_id]
             self.progress.begin(request_id, num_done, num_chunk, request.num_prompt_tokens)
-
-        result = self.executor.execute(step.message)
+        self.executor.submit(step.message)
+        self._in_flight.append(step)
         self.counters.steps += 1
         if step.total_num_scheduled_tokens:
             self.counters.model_executions += 1
 
+    def _finish_oldest(self) -> Outputs:
+        """Collect the oldest step in flight and apply its result."""
+        step = self._in_flight.popleft()
+        result = self.executor.collect()
         for request_id, (num_done, num_chunk) in step.prefill_chunks.items():
             request = self.scheduler.requests.get(request_id)
             if request is not None:
                 self.progress.after(request_id, num_done + num_chunk, request.num_prompt_tokens)
-        outputs = grammar_outputs + self._settle(
+        outputs = self._settle(
             [
                 (request.client_id, output)
                 for request, output in self.scheduler.update_from_output(step, result)
@@ -384,10 +456,13 @@ class EngineCore:
         for _, output in outputs:
             if output.finish_reason is not None:
                 self.progress.forget(output.request_id)
+        return outputs
+
+    def _stats(self) -> m.SchedulerStats:
         stats = self.scheduler.make_stats()
         self.counters.prefix_queries += stats.prefix_cache_queries
         self.counters.prefix_hits += stats.prefix_cache_hits
-        return outputs, stats
+        return stats
 
     # -- utility calls ---------------------------------------------------------------
 
@@ -420,3 +495,10 @@ class EngineCore:
                 "steps_total": self.counters.steps,
             }
         raise ValueError(f"unknown utility method {method!r}; known: reset_prefix_cache, get_stats")
+
+
+def _has_news(step: ScheduledStep) -> bool:
+    """Whether ``step`` gives the workers anything: tokens to compute, or requests to
+    drop (an empty step is not worth a message while another is in flight)."""
+    message = step.message
+    return bool(message.num_scheduled_tokens or message.finished_request_ids)

@@ -6,6 +6,9 @@ connect DEALERs with identity ``rank-N``).
 
 Start-up RPC: spawn → each rank sends ``WorkerReport`` → ``InitKVCache`` → ``WorkerReady``.
 Each step: ``SchedulerOutput`` to every rank → rank 0 answers ``ModelRunnerOutput``.
+``submit`` sends a step and ``collect`` waits for the oldest one's answer, so the engine
+core can send step N+1 before it waits for step N (async scheduling); ``execute`` is the
+two in one.
 Grammars (structured outputs), outside steps: ``CompileGrammar`` / ``ReleaseGrammars`` to
 rank 0; its ``GrammarReady`` answers arrive whenever a compile ends and are kept, like
 heartbeats, whatever the executor was waiting for (``take_grammar_results``).
@@ -18,7 +21,9 @@ the worker process exited, or sent          within about a second
 ``WorkerFailure``
 its heartbeat thread fell silent (process   ``VT_WORKER_HEARTBEAT_TIMEOUT_S``
 frozen: SIGSTOP, a debugger, gone)
-it beats but a step does not finish         ``VT_STEP_TIMEOUT_S`` (a hung device/kernel)
+it beats but a step does not finish         ``VT_STEP_TIMEOUT_S`` (a hung device/kernel),
+                                            counted from when the step before it was
+                                            collected (or from its submission, if later)
 it beats but a start-up phase (loading,     ``VT_WORKER_START_TIMEOUT_S`` per phase,
 profiling, graph capture) does not end      naming the phase
 =========================================  ============================================
@@ -35,6 +40,7 @@ import logging
 import multiprocessing
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +130,9 @@ class MultiprocExecutor:
         self._spawned_at = 0.0
         self._next_liveness_check = 0.0
         self._grammar_results: list[m.GrammarReady] = []
+        # submitted steps not collected yet, oldest first: (step_id, tokens, submitted at)
+        self._in_flight: deque[tuple[int, int, float]] = deque()
+        self._last_collected = 0.0  # monotonic time the last step's result came in
 
     # -- start-up --------------------------------------------------------------------
 
@@ -193,17 +202,33 @@ class MultiprocExecutor:
     # -- steps -----------------------------------------------------------------------
 
     def execute(self, step: m.SchedulerOutput) -> m.ModelRunnerOutput:
-        """Run one step; raises ``WorkerDiedError`` if it has not finished within
-        ``VT_STEP_TIMEOUT_S`` or a worker dies or freezes meanwhile."""
-        timeout_s = envs.VT_STEP_TIMEOUT_S
-        started = time.monotonic()
+        """Run one step: ``submit`` then ``collect``."""
+        self.submit(step)
+        return self.collect()
+
+    def submit(self, step: m.SchedulerOutput) -> None:
+        """Send one step to every rank without waiting for its result. Raises
+        ``WorkerDiedError`` when a worker cannot be reached or failed meanwhile."""
         self._absorb_queued()
         self._broadcast(step)
+        num_tokens = sum(step.num_scheduled_tokens.values())
+        self._in_flight.append((step.step_id, num_tokens, time.monotonic()))
+
+    def collect(self) -> m.ModelRunnerOutput:
+        """The oldest submitted step's result; raises ``WorkerDiedError`` if it has not
+        finished within ``VT_STEP_TIMEOUT_S`` (counted from its submission, or from the
+        collection of the step before it if that came later: the workers run steps one
+        after the other) or a worker dies or freezes meanwhile."""
+        if not self._in_flight:
+            raise RuntimeError("collect() without a submitted step")
+        step_id, num_tokens, submitted = self._in_flight[0]
+        timeout_s = envs.VT_STEP_TIMEOUT_S
+        started = max(submitted, self._last_collected)
         while True:
             elapsed = time.monotonic() - started
             if elapsed > timeout_s:
                 raise WorkerDiedError(
-                    f"step {step.step_id} ({sum(step.num_scheduled_tokens.values())} tokens) "
+                    f"step {step_id} ({num_tokens} tokens) "
                     f"did not finish within VT_STEP_TIMEOUT_S={timeout_s:g}s although the "
                     f"workers are alive ({self.describe_liveness()}): the device or a "
                     "kernel is hung. Raise VT_STEP_TIMEOUT_S if steps are legitimately "
@@ -212,7 +237,9 @@ class MultiprocExecutor:
             message = self._recv()
             if message is None:
                 continue
-            if isinstance(message, m.ModelRunnerOutput) and message.step_id == step.step_id:
+            if isinstance(message, m.ModelRunnerOutput) and message.step_id == step_id:
+                self._in_flight.popleft()
+                self._last_collected = time.monotonic()
                 return message
             logger.warning("ignoring unexpected worker message %r", type(message).__name__)
 

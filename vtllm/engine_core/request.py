@@ -96,6 +96,10 @@ class Request:
         # Structured output: True from admission until the driver worker reports its
         # grammar compiled; the scheduler leaves it waiting (in its place) until then.
         self.awaiting_grammar = False
+        # Tokens scheduled steps owe this request that are not in ``all_token_ids`` yet
+        # (sampled by a step still in flight); async scheduling computes the next position
+        # from them before they are known (the worker feeds the sampled id on the device).
+        self.num_output_placeholders = 0
         self._extend_block_hashes()
 
     @property
@@ -105,6 +109,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus those that steps in flight will sample."""
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

@@ -29,6 +29,22 @@ RUNNING forever).
 A request with a structured output waits (``awaiting_grammar``, in its place in the
 queue) until the driver worker has compiled its grammar; waiting requests behind it are
 scheduled meanwhile, so a slow compile holds no one but its own request.
+
+Output placeholders (async scheduling): a step that is due to sample a request's next
+token adds one to ``request.num_output_placeholders`` when it is scheduled, and its result
+takes it away. While a step is in flight the next one may be scheduled: a request counts
+its placeholders as tokens it will have, so it is scheduled for the position of the token
+the step in flight samples (the worker feeds that token from the device)::
+
+    known tokens  |t0 .. t9|            computed 10, placeholders 1 (step N in flight)
+    step N+1      computes position 10 (input: step N's sample), placeholders 2
+    N's result    appends t10, placeholders 1; if t10 ends the request, N+1's extra
+                  token is dropped when it comes (the request is gone by then)
+
+A request whose known outputs plus placeholders already reach ``max_tokens`` (or whose
+tokens reach ``max_model_len``) is not scheduled for more: the step in flight decides it.
+A request is identified in results by its object, not its id, so a finished request's
+late token never lands on a new request that reuses the id.
 """
 
 from __future__ import annotations
@@ -57,10 +73,29 @@ class ScheduledStep:
     # requests whose scheduled tokens reach their last known token: each must get a
     # sampled token (or an error) back from this step
     due_token_ids: set[str] = field(default_factory=set)
+    # every request this step computes, by id: results apply only to these objects
+    requests: dict[str, Request] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.message.num_scheduled_tokens.values())
+
+
+def needs_host_tokens(params: m.SamplingParams) -> bool:
+    """Whether the worker needs every earlier sampled token of a request on the host
+    before it samples the next one: structured outputs (the grammar advances on each
+    token), penalties (token counts), ``min_tokens`` (output count), logprobs and pooling
+    (outputs read back each step). Async scheduling runs steps one at a time while a live
+    request needs them."""
+    return (
+        params.structured_output is not None
+        or params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.min_tokens > 0
+        or params.logprobs is not None
+        or params.pooling != m.PoolingType.NONE
+    )
 
 
 class Scheduler:
@@ -84,6 +119,7 @@ class Scheduler:
         self._finished_for_workers: list[str] = []
         self._step_id = 0
         self.num_awaiting_grammar = 0  # waiting requests whose grammar is not compiled yet
+        self.num_needing_host_tokens = 0  # live requests for which ``needs_host_tokens``
         self.num_preemptions = 0  # since the last stats
         self.num_preemptions_total = 0
 
@@ -94,6 +130,8 @@ class Scheduler:
         self.waiting.append(request)
         if request.awaiting_grammar:
             self.num_awaiting_grammar += 1
+        if needs_host_tokens(request.sampling_params):
+            self.num_needing_host_tokens += 1
 
     def grammar_ready(self, request: Request) -> None:
         """``request``'s grammar is compiled: it may be scheduled from now on."""
@@ -119,6 +157,8 @@ class Scheduler:
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         self.grammar_ready(request)  # no longer counted as waiting for one
+        if needs_host_tokens(request.sampling_params):
+            self.num_needing_host_tokens -= 1
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
@@ -144,8 +184,12 @@ class Scheduler:
     def _pick_waiting(self) -> Request | None:
         """The next waiting request by policy; None when all wait for their grammars."""
         waiting = self.waiting
-        if self.num_awaiting_grammar:
-            waiting = [r for r in waiting if not r.awaiting_grammar]
+        if self.num_awaiting_grammar or (waiting and waiting[0].num_output_placeholders):
+            # a request preempted while a step in flight samples for it resumes once that
+            # token is known (it is sent to the workers whole)
+            waiting = [
+                r for r in waiting if not r.awaiting_grammar and not r.num_output_placeholders
+            ]
             if not waiting:
                 return None
         policy = self.config.scheduling_policy
@@ -175,13 +219,26 @@ class Scheduler:
         self.num_preemptions_total += 1
 
     def _chunk_size(self, request: Request, num_computed: int, budget: int) -> int:
-        """Tokens to compute for ``request`` this step: what it still needs, within the
-        budget and the long-prefill threshold (0 = no threshold)."""
-        num_new = min(request.num_tokens - num_computed, budget)
+        """Tokens to compute for ``request`` this step: what it still needs (placeholders
+        of steps in flight counted as tokens), within the budget and the long-prefill
+        threshold (0 = no threshold); 0 when a step in flight already samples what may
+        be its last token."""
+        if request.num_output_placeholders and self._decided_in_flight(request):
+            return 0
+        num_new = min(request.num_tokens_with_placeholders - num_computed, budget)
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < num_new:
             num_new = threshold
         return num_new
+
+    def _decided_in_flight(self, request: Request) -> bool:
+        """The tokens steps in flight sample for ``request`` reach its ``max_tokens`` or
+        ``max_model_len``: it ends with them whatever they are."""
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        return (
+            num_outputs >= request.max_tokens
+            or request.num_tokens_with_placeholders >= self.max_model_len
+        )
 
     def schedule(self) -> ScheduledStep:
         budget = self.config.max_num_batched_tokens
@@ -265,8 +322,10 @@ class Scheduler:
         new_requests, cached_requests = [], []
         prefill_chunks = {}
         due_token_ids = set()
+        requests = {}
         for request in scheduled:
             request_id = request.request_id
+            requests[request_id] = request
             if request.num_computed_tokens < request.num_prompt_tokens:
                 prefill_chunks[request_id] = (
                     request.num_computed_tokens,
@@ -294,8 +353,9 @@ class Scheduler:
                 )
             request.num_tokens_sent_to_workers = request.num_tokens
             request.num_computed_tokens += num_scheduled[request_id]
-            if request.num_computed_tokens == request.num_tokens:
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
                 due_token_ids.add(request_id)
+                request.num_output_placeholders += 1
         message = m.SchedulerOutput(
             step_id=self._step_id,
             new_requests=new_requests,
@@ -304,7 +364,7 @@ class Scheduler:
             finished_request_ids=self._finished_for_workers,
         )
         self._finished_for_workers = []
-        return ScheduledStep(self._step_id, message, prefill_chunks, due_token_ids)
+        return ScheduledStep(self._step_id, message, prefill_chunks, due_token_ids, requests)
 
     # -- results ---------------------------------------------------------------------
 
@@ -316,21 +376,31 @@ class Scheduler:
         Returns (request, output) for every request with news for its client. A request
         that was due a token (``step.due_token_ids``) and got neither a token nor an
         error ends with an error finish saying so.
+
+        Results apply to the requests ``step`` computed, as long as they live: a request
+        that ended meanwhile (aborted, or finished by the step before: async scheduling)
+        has its token dropped, and one preempted meanwhile still gets it (it resumes with
+        it). Each due request's placeholder is settled here, token or not.
         """
         outputs = []
         logprobs = result.logprobs
         top_logprobs = result.top_logprobs
+        for request_id in step.due_token_ids:
+            step.requests[request_id].num_output_placeholders -= 1
         for i, (request_id, token_id) in enumerate(
             zip(result.request_ids, result.sampled_token_ids, strict=True)
         ):
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            request = self._live(step, request_id)
+            if request is None:
+                continue  # ended while the step ran: its token is dropped
             request.append_output_token(token_id)
             is_first_token = request.num_output_tokens == 1
             status = self._check_stop(request, token_id)
             if status is not None:
-                self.running.remove(request)
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:  # preempted while the step ran
+                    self.waiting.remove(request)
                 self._free(request, status)
             output = self._output(
                 request,
@@ -345,8 +415,8 @@ class Scheduler:
             outputs.append((request, output))
         invalid = set(result.invalid_request_ids)
         for request_id, error in result.errors.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status.is_finished:
+            request = self._live(step, request_id)
+            if request is None:
                 continue
             if request_id in invalid:
                 request.error = f"the requested output format cannot go on: {error}"
@@ -359,9 +429,9 @@ class Scheduler:
             outputs.append((request, output))
         answered = set(result.request_ids) | set(result.errors)
         for request_id in sorted(step.due_token_ids - answered):
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            request = self._live(step, request_id)
+            if request is None:
+                continue  # ended while the step ran
             when = "its prefill completed" if request_id in step.prefill_chunks else "decoding"
             request.error = (
                 f"the workers returned no token for this request in step {step.step_id} "
@@ -371,6 +441,14 @@ class Scheduler:
             self.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
             outputs.append((request, self._output(request, [])))
         return outputs
+
+    def _live(self, step: ScheduledStep, request_id: str) -> Request | None:
+        """The request ``step`` computed as ``request_id``, if it is still live (not
+        finished, and not replaced by a new request reusing the id)."""
+        request = self.requests.get(request_id)
+        if request is None or request is not step.requests.get(request_id):
+            return None
+        return None if request.status.is_finished else request
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -241,13 +241,19 @@ class DecodeGraphs:
     def can_run(self, batch: StepBatch) -> bool:
         return self.inputs.fits(batch)
 
-    def run(self, batch: StepBatch) -> torch.Tensor:
+    def run(
+        self, batch: StepBatch, feed: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` of a batch ``can_run`` accepted (a view into the
-        graph's output: use it before the next ``run``)."""
+        graph's output: use it before the next ``run``). ``feed(input_ids)`` may change
+        the staged ``[n]`` int32 device input ids before the forward (async scheduling
+        puts the previous step's sampled ids there)."""
         n = batch.num_reqs
         size = padded_size(self.sizes, n)
         assert size is not None, n
         self.inputs.stage(batch)
+        if feed is not None:
+            feed(self.inputs.device_view("input_ids")[:n])
         if not self.use_graphs:
             return self._forward_padded(size)[:n]
         self._graphs[size].replay()

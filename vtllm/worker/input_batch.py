@@ -18,6 +18,18 @@ step's ``new_block_ids``; a step refers to the rows (``StepBatch.table_rows``) a
 no table. Positions, slot mapping and query offsets are computed from the rows with
 numpy, without a loop over requests; the one loop left (over the schedule, to find each
 request's row and input tokens) does constant work per request whatever its context.
+
+Async scheduling: the engine core may schedule the position right after a request's known
+tokens before it knows the token there, which the step just before sampled. ``build_step``
+then takes that request's input from the previous step's sampled ids (``previous_rows``:
+request id → its row among them), leaves 0 in ``input_ids`` and records where the device
+copy goes (``prev_token_dst`` / ``prev_token_src``); ``model_runner`` fills it on the
+device, so no sampled id makes a round trip through the host::
+
+    previous step sampled   [b9', c3']                 (rows 0, 1; on the device)
+    this step               A prefill a4..a7 | B ? | C ?
+    input_ids               a4 a5 a6 a7      0     0
+    prev_token_dst          [4, 5]    prev_token_src [0, 1]
 """
 
 from __future__ import annotations
@@ -67,6 +79,10 @@ class StepBatch:
     sample_rows: list[int]  # indices into request_ids of requests that sample
     logits_indices: np.ndarray  # [num_sampling] flat index of each sampler's last token
     errors: dict[str, str] = field(default_factory=dict)  # request id → why skipped
+    # [k] int64 flat token indices whose input is the previous step's sampled id, and
+    # [k] int64 the row of that id among the previous step's samples (async scheduling)
+    prev_token_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    prev_token_src: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def num_tokens(self) -> int:
@@ -140,13 +156,19 @@ class RequestStates:
             state.num_computed_tokens = cached.num_computed_tokens
         return errors
 
-    def build_step(self, step: SchedulerOutput, block_size: int) -> StepBatch:
+    def build_step(
+        self,
+        step: SchedulerOutput,
+        block_size: int,
+        previous_rows: dict[str, int] | None = None,
+    ) -> StepBatch:
         """Flat inputs for ``step``; a request whose numbers do not add up is left out
         and reported in ``errors``. Advances no state: the engine sends
-        ``num_computed_tokens`` with every step."""
+        ``num_computed_tokens`` with every step. ``previous_rows``: the requests the step
+        before sampled, by their row among its sampled ids (see the module doc)."""
         errors: dict[str, str] = {}
         while True:
-            batch, token_reqs = self._collect(step, errors)
+            batch, token_reqs = self._collect(step, errors, previous_rows or {})
             # block tables that cannot hold the step's tokens: rare, checked in one go,
             # then the step is collected again without them
             short = batch.num_blocks * block_size < batch.seq_lens
@@ -164,7 +186,7 @@ class RequestStates:
         return batch
 
     def _collect(
-        self, step: SchedulerOutput, errors: dict[str, str]
+        self, step: SchedulerOutput, errors: dict[str, str], previous_rows: dict[str, int]
     ) -> tuple[StepBatch, np.ndarray]:
         """The scheduled requests not in ``errors`` (adding those whose token counts do
         not add up), with everything but ``slot_mapping`` filled; and the ``[num_tokens]``
@@ -175,6 +197,8 @@ class RequestStates:
         seq_lens: list[int] = []
         input_ids: list[int] = []
         sample_rows: list[int] = []
+        prev_dst: list[int] = []
+        prev_src: list[int] = []
         get_state = self._states.get  # the loop below runs once per request per step
         for request_id, num_scheduled in step.num_scheduled_tokens.items():
             state = get_state(request_id)
@@ -184,19 +208,26 @@ class RequestStates:
             start = state.num_computed_tokens
             end = start + num_scheduled
             num_tokens = len(state.token_ids)
-            if num_scheduled < 1 or end > num_tokens:
+            # the position after the known tokens: its token is the previous step's sample
+            fed = end == num_tokens + 1 and request_id in previous_rows
+            if num_scheduled < 1 or (end > num_tokens and not fed):
                 errors[request_id] = (
                     f"scheduled {num_scheduled} tokens from {start}, but only "
                     f"{num_tokens} tokens are known"
                 )
                 continue
-            if end == num_tokens:
+            if end >= num_tokens:
                 sample_rows.append(len(request_ids))
             request_ids.append(request_id)
             rows.append(state.table_row)
             query_lens.append(num_scheduled)
             seq_lens.append(end)
-            if num_scheduled == 1:
+            if fed:
+                input_ids.extend(state.token_ids[start:])
+                prev_dst.append(len(input_ids))
+                prev_src.append(previous_rows[request_id])
+                input_ids.append(0)  # filled on the device
+            elif num_scheduled == 1:
                 input_ids.append(state.token_ids[start])
             else:
                 input_ids.extend(state.token_ids[start:end])
@@ -224,6 +255,8 @@ class RequestStates:
             block_table=self.block_table.table,
             sample_rows=sample_rows,
             logits_indices=last_tokens,
+            prev_token_dst=np.array(prev_dst, dtype=np.int64),
+            prev_token_src=np.array(prev_src, dtype=np.int64),
         ), token_reqs
 
     def drop(self, request_id: str) -> None:

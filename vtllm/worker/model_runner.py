@@ -6,15 +6,23 @@ Flow of ``execute``::
         ─ build_step (host arrays, vectorised)
         ─ to device ─ model.forward (writes KV, attends) ─ hidden[last tokens of samplers]
         ─ compute_logits ─ Sampler ─ ModelRunnerOutput
+
+Async scheduling: the sampled ids of each step stay on the device for the next one
+(``input_batch.py`` says where they go), and ``execute(step, defer_output=True)`` returns
+a ``DeferredOutput`` at once: the ids are copied to the host without blocking (pinned
+memory, an event after the copy), so nothing in the step waits for the device; the
+worker loop resolves it when the event has passed.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -39,9 +47,37 @@ from vtllm.worker.models import build_model
 from vtllm.worker.models.llama import KVCache
 from vtllm.worker.platform import Platform, platform_of
 from vtllm.worker.pooling import Pooler
-from vtllm.worker.sampler import Sampler, SamplingBatch, TokenHistory, advance_generator
+from vtllm.worker.sampler import (
+    Sampler,
+    SamplingBatch,
+    TokenHistory,
+    advance_generator,
+    to_device,
+)
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DeferredOutput:
+    """A driver's step output whose sampled ids are still on their way to the host."""
+
+    output: ModelRunnerOutput  # complete but for ``sampled_token_ids``
+    sampled_host: torch.Tensor | None  # [num_sampled] int64 (pinned on a GPU); None: none
+    event: Any | None  # passes once the copy into ``sampled_host`` is done; None: done
+
+    def ready(self) -> bool:
+        """Whether ``resolve`` would return without waiting for the device."""
+        return self.event is None or self.event.query()
+
+    def resolve(self) -> ModelRunnerOutput:
+        """The output, with its sampled ids (waits for the copy if it is not done)."""
+        if self.event is not None:
+            self.event.synchronize()
+        if self.sampled_host is not None:
+            self.output.sampled_token_ids = self.sampled_host.tolist()
+            self.sampled_host = None
+        return self.output
 
 
 class ModelRunner:
@@ -83,6 +119,11 @@ class ModelRunner:
         self.compiled_decode: CompiledDecode | None = None  # set by compile_cpu_decode
         self.tokenizer_dir = tokenizer_dir
         self.structured: StructuredOutputs | None = None  # on the driver, at first use
+        self.platform = platform_of(device)
+        # the last step's sampled ids, kept on the device for the next step's inputs
+        # (async scheduling), and each sampled request's row in it
+        self._last_sampled: torch.Tensor | None = None  # [num_sampled] int64
+        self._last_sampled_rows: dict[str, int] = {}
         # set by from_model_dir: host RSS while building + loading, and what was read
         self.load_host_peak: HostPeak | None = None
         self.load_stats: LoadStats | None = None  # None for random (dummy) weights
@@ -233,12 +274,15 @@ class ModelRunner:
     # -- steps ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Compute one step. Returns the output on the driver rank, None elsewhere."""
+    def execute(
+        self, step: SchedulerOutput, defer_output: bool = False
+    ) -> ModelRunnerOutput | DeferredOutput | None:
+        """Compute one step. Returns the output on the driver rank, None elsewhere;
+        ``defer_output``: a ``DeferredOutput``, without waiting for the device."""
         if not self.kv_caches:
             raise RuntimeError("execute() before init_kv_cache()")
         errors = self.states.update(step)
-        batch = self.states.build_step(step, self.block_size)
+        batch = self.states.build_step(step, self.block_size, self._last_sampled_rows)
         errors.update(batch.errors)
         for request_id in errors:
             self.states.drop(request_id)
@@ -246,6 +290,7 @@ class ModelRunner:
         self._track_grammars(step)
         self.pooler.on_step(step)
         sampled: dict[str, Any] = {}
+        sampled_ids: torch.Tensor | None = None  # [num_sampling] int64 on the device
         invalid: set[str] = set()  # requests whose output format failed (their own input)
         embeddings: dict[str, list[float]] = {}
         if batch.num_tokens:
@@ -253,19 +298,58 @@ class ModelRunner:
             if self.is_driver and self.pooler.wanted(batch, self.states):
                 embeddings = self.pooler.pool(batch, hidden, self.states)
             if self.is_driver and batch.sample_rows:
-                sampled = self._sample(batch, logits, errors, invalid)
+                sampled_ids, sampled = self._sample(batch, logits, errors, invalid)
+        self._last_sampled = sampled_ids
+        self._last_sampled_rows = (
+            {batch.request_ids[row]: i for i, row in enumerate(batch.sample_rows)}
+            if sampled_ids is not None
+            else {}
+        )
         if not self.is_driver:
             return None
         output = _make_output(step.step_id, batch, sampled, errors)
         output.embeddings = embeddings
         output.invalid_request_ids = sorted(invalid)
-        return output
+        if sampled_ids is None:
+            return DeferredOutput(output, None, None) if defer_output else output
+        if not defer_output:
+            output.sampled_token_ids = sampled_ids.tolist()
+            return output
+        if self.platform.is_gpu:
+            host = torch.empty(sampled_ids.shape, dtype=sampled_ids.dtype, pin_memory=True)
+            host.copy_(sampled_ids, non_blocking=True)
+            return DeferredOutput(output, host, self.platform.record_event())
+        return DeferredOutput(output, sampled_ids, None)
+
+    def _feed_previous_tokens(self, input_ids: torch.Tensor, batch: StepBatch) -> None:
+        """Write the previous step's sampled ids into ``input_ids`` (``[num_tokens]``, on
+        the device) where ``batch`` wants them, without leaving the device."""
+        num_fed = len(batch.prev_token_dst)
+        if not num_fed:
+            return
+        assert self._last_sampled is not None
+        dst, src = batch.prev_token_dst, batch.prev_token_src
+        # decode batches in an unchanged order: tokens 0..k-1 from rows 0..k-1
+        in_order = dst[-1] == num_fed - 1 and src[-1] == num_fed - 1
+        if in_order and (dst == np.arange(num_fed)).all() and (src == dst).all():
+            input_ids[:num_fed].copy_(self._last_sampled[:num_fed])
+            return
+        dst_t = to_device(dst.tolist(), torch.int64, self.device)
+        src_t = to_device(src.tolist(), torch.int64, self.device)
+        input_ids.index_copy_(
+            0, dst_t, self._last_sampled.index_select(0, src_t).to(input_ids.dtype)
+        )
 
     def _forward_logits(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits of the sampling rows, the final hidden states of every computed token:
         ``[num_tokens, hidden]``, or ``[num_reqs (padded), hidden]`` from decode graphs)."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
-            hidden = self.decode_graphs.run(batch)  # [num_reqs, hidden]
+            feed = (
+                (lambda ids: self._feed_previous_tokens(ids, batch))
+                if len(batch.prev_token_dst)
+                else None
+            )
+            hidden = self.decode_graphs.run(batch, feed)  # [num_reqs, hidden]
             if len(batch.sample_rows) == len(batch.request_ids):
                 return self.model.compute_logits(hidden), hidden
             rows = torch.from_numpy(batch.logits_indices).to(self.device)
@@ -288,6 +372,7 @@ class ModelRunner:
             self.attention_backend,
         )
         input_ids = torch.from_numpy(batch.input_ids).to(self.device)
+        self._feed_previous_tokens(input_ids, batch)
         positions = torch.from_numpy(batch.positions).to(self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
         logits_indices = torch.from_numpy(batch.logits_indices).to(self.device)
@@ -298,9 +383,11 @@ class ModelRunner:
         it raised (logged once, eager from then on: the eager forward rewrites the same
         KV slots with its own values)."""
         assert self.compiled_decode is not None
+        input_ids = torch.from_numpy(batch.input_ids)  # [num_reqs]; a CPU shares memory
+        self._feed_previous_tokens(input_ids, batch)
         try:
             return self.compiled_decode(
-                torch.from_numpy(batch.input_ids),
+                input_ids,
                 torch.from_numpy(batch.positions),
                 batch.seq_lens,
                 batch.block_tables(),
@@ -338,8 +425,9 @@ class ModelRunner:
         logits: torch.Tensor,
         errors: dict[str, str],
         invalid: set[str],
-    ) -> dict[str, Any]:
-        """Sample every row; a row whose grammar fails gets its error in ``errors`` and its
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Sample every row: ``([num_rows] int64 sampled ids on the device, logprobs as
+        lists if asked)``. A row whose grammar fails gets its error in ``errors`` and its
         id in ``invalid`` (the request's output format is at fault, not the model)."""
         states = [self.states.get(batch.request_ids[row]) for row in batch.sample_rows]
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
@@ -358,13 +446,13 @@ class ModelRunner:
             errors.update(grammar_errors)
             invalid.update(grammar_errors)
         out = self.sampler(logits, sampling_batch)
-        result: dict[str, Any] = {"ids": out.sampled.tolist()}
+        result: dict[str, Any] = {}
         if out.logprobs is not None:
             result["logprobs"] = out.logprobs.tolist()
             result["top_ids"] = out.top_ids.tolist()
             result["top_logprobs"] = out.top_logprobs.tolist()
             result["num_top"] = [s.sampling_params.logprobs for s in states]
-        return result
+        return out.sampled, result
 
     def _make_generator(self, params: SamplingParams, num_outputs: int) -> torch.Generator | None:
         if params.seed is None or not self.is_driver:

@@ -149,6 +149,16 @@ class Platform:
             return False
         return torch.cuda.get_device_capability(self.device) >= (8, 9)
 
+    def record_event(self) -> Any | None:
+        """An event recorded now on the current stream (``query()`` is True once the work
+        queued before it is done, ``synchronize()`` waits for it); None on CPU, where that
+        work is done when the call that queued it returns."""
+        if not self.is_gpu:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
     def new_graph_pool(self) -> Any:
         """A memory pool that several graphs captured one after another can share."""
         return torch.cuda.graph_pool_handle()

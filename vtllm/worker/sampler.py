@@ -137,7 +137,7 @@ class SamplingBatch:
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return _to_device(values, dtype, device)
+            return to_device(values, dtype, device)
 
         return cls(
             temperature=tensor(temperature, torch.float32),
@@ -151,7 +151,7 @@ class SamplingBatch:
         )
 
 
-def _to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor. To a GPU it goes from pinned memory without
     blocking: a plain copy would wait for the whole step's forward to finish."""
     if device.type != "cuda":
@@ -179,7 +179,7 @@ def _logit_bias(
             biases.extend(p.logit_bias.values())
     if not flat_index:
         return None
-    return _to_device(flat_index, torch.int64, device), _to_device(biases, torch.float32, device)
+    return to_device(flat_index, torch.int64, device), to_device(biases, torch.float32, device)
 
 
 def _min_tokens_mask(
@@ -195,7 +195,7 @@ def _min_tokens_mask(
         if num_outputs < p.min_tokens:
             stop_ids = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
             flat_index.extend(row * vocab_size + t for t in stop_ids)
-    return _to_device(flat_index, torch.int64, device) if flat_index else None
+    return to_device(flat_index, torch.int64, device) if flat_index else None
 
 
 class TokenHistory:
@@ -236,7 +236,7 @@ class TokenHistory:
             return None
         params = [requests[i].sampling_params for i in rows]
         slots = self._update([requests[i] for i in rows])
-        factors = _to_device(
+        factors = to_device(
             [
                 [p.repetition_penalty for p in params],
                 [p.presence_penalty for p in params],
@@ -247,7 +247,7 @@ class TokenHistory:
         )  # [3, num_penalised]
         all_rows = rows == list(range(len(requests)))
         return Penalties(
-            rows=None if all_rows else _to_device(rows, torch.int64, self.device),
+            rows=None if all_rows else to_device(rows, torch.int64, self.device),
             output_counts=self.output_counts.index_select(0, slots),
             seen_mask=self.seen_mask.index_select(0, slots),
             repetition=factors[0] if any(p.repetition_penalty != 1.0 for p in params) else None,
@@ -277,18 +277,18 @@ class TokenHistory:
             slots.append(slot)
         # flat index_fill_/index_add_: one kernel each, unlike 2-D index_put_
         if fresh_slots:
-            fresh = _to_device(fresh_slots, torch.int64, self.device)
+            fresh = to_device(fresh_slots, torch.int64, self.device)
             self.output_counts.index_fill_(0, fresh, 0.0)
             self.seen_mask.index_fill_(0, fresh, False)
         if prompt_index:
-            index = _to_device(prompt_index, torch.int64, self.device)
+            index = to_device(prompt_index, torch.int64, self.device)
             self.seen_mask.view(-1).index_fill_(0, index, True)
         if output_index:
-            index = _to_device(output_index, torch.int64, self.device)
+            index = to_device(output_index, torch.int64, self.device)
             ones = torch.ones(len(output_index), device=self.device)
             self.output_counts.view(-1).index_add_(0, index, ones)
             self.seen_mask.view(-1).index_fill_(0, index, True)
-        return _to_device(slots, torch.int64, self.device)
+        return to_device(slots, torch.int64, self.device)
 
     def _reset(self) -> None:
         self._free_slots.clear()

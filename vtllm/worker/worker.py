@@ -19,6 +19,14 @@ Grammars compile on background threads (``worker/grammar.py``); the main loop po
 ``_GRAMMAR_POLL_MS`` while a compile is unreported, so ``GrammarReady`` goes out promptly
 whether the worker is idle or between steps, and no step ever waits for a compile.
 
+Async scheduling (``--async-scheduling``): the driver's step output is deferred (its
+sampled ids copied to the host behind the step's device work). While one is pending the
+loop waits for whichever comes first — the next message (a next step is prepared and
+queued on the device *before* the pending output is sent, so the device never idles while
+the host works) or the copy being done (then the output goes out at once)::
+
+    recv N+1 ─ prepare + queue N+1 ─ send N (waits for N's copy) ─ recv N+2 ─ ...
+
 Any exception sends ``WorkerFailure{rank, message}`` and exits non-zero.
 """
 
@@ -47,7 +55,7 @@ from vtllm.worker.layers.small_batch import tune_small_batch_linears
 from vtllm.worker.loader.hf_config import load_hf_config, model_facts
 from vtllm.worker.loader.quant_config import resolve_quantization
 from vtllm.worker.memory_budget import memory_budget
-from vtllm.worker.model_runner import ModelRunner, attention_backend
+from vtllm.worker.model_runner import DeferredOutput, ModelRunner, attention_backend
 from vtllm.worker.platform import MemorySnapshot, Platform, detect_platform
 from vtllm.worker.sampler import penalty_state_bytes
 
@@ -55,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 1000
 _GRAMMAR_POLL_MS = 2
+_PENDING_SPIN_S = 20e-6  # how long a wait for the next step or a pending output naps
 
 
 class _ParentGone(RuntimeError):
@@ -196,9 +205,19 @@ def _serve(
     _log_ready(runner, platform, rank, world_size, init)
 
     expected = (m.SchedulerOutput, m.CompileGrammar, m.ReleaseGrammars, m.Shutdown)
+    defer = config.scheduler.async_scheduling and runner.is_driver
+    pending: DeferredOutput | None = None  # the driver's last step output, not sent yet
     while True:
         compiling = _report_grammars(socket, runner)
-        message = _receive(socket, decoder, expected, _GRAMMAR_POLL_MS if compiling else None)
+        if pending is not None:
+            message = _receive_or_ready(socket, decoder, expected, pending)
+            if message is None:  # the pending output is ready first: send it
+                socket.send(codec.encode(pending.resolve()))
+                pending = None
+                continue
+        else:
+            wait_ms = _GRAMMAR_POLL_MS if compiling else None
+            message = _receive(socket, decoder, expected, wait_ms)
         if message is None:
             continue
         if isinstance(message, m.Shutdown):
@@ -215,8 +234,13 @@ def _serve(
         delay = envs.VT_TEST_WORKER_STEP_DELAY_S
         if delay > 0:
             time.sleep(delay)
-        output = runner.execute(message)
-        if output is not None:
+        output = runner.execute(message, defer_output=defer)
+        if pending is not None:  # the step before, sent now that this one is queued
+            socket.send(codec.encode(pending.resolve()))
+            pending = None
+        if isinstance(output, DeferredOutput):
+            pending = output
+        elif output is not None:
             socket.send(codec.encode(output))
 
 
@@ -369,6 +393,24 @@ def _usable_kv_bytes(
     )
     logger.info("memory: %s", budget.describe())
     return budget.kv_cache_bytes()
+
+
+def _receive_or_ready(
+    socket: zmq.Socket,
+    decoder: codec.Decoder,
+    expected: tuple[type, ...],
+    pending: DeferredOutput,
+):
+    """The next message of an expected kind, or None as soon as ``pending`` is ready
+    (whichever comes first; a short spin: a step's device time is milliseconds)."""
+    while not pending.ready():
+        if socket.poll(0):
+            message = _receive(socket, decoder, expected, 0)
+            if message is not None:
+                return message
+        else:
+            time.sleep(_PENDING_SPIN_S)
+    return None
 
 
 def _receive(
