@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 
 from vtllm.config import VtllmConfig
@@ -47,6 +48,20 @@ def test_a_healthy_worker_serves_steps_and_reports_its_phase(make_executor):
     time.sleep(0.5)
     executor.execute(STEP)
     assert "rank 0: serving for" in executor.describe_liveness()
+
+
+def test_a_result_read_while_the_next_step_is_submitted_is_kept(make_executor, monkeypatch):
+    """Async scheduling submits step 2 while step 1's result may already wait in the
+    socket; submitting reads what is queued, and must keep that result for ``collect``."""
+    monkeypatch.setenv("VT_STEP_TIMEOUT_S", "5")
+    executor = make_executor("serve")
+    executor.start()
+    executor.init_kv_cache(4, 16)
+    executor.submit(STEP)
+    time.sleep(0.3)  # the fake worker answers at once: step 1's result is queued by now
+    executor.submit(msgspec.structs.replace(STEP, step_id=2))
+    assert executor.collect().step_id == 1
+    assert executor.collect().step_id == 2
 
 
 def test_an_idle_spell_longer_than_the_heartbeat_timeout_is_not_silence(make_executor, monkeypatch):

@@ -133,6 +133,9 @@ class MultiprocExecutor:
         # submitted steps not collected yet, oldest first: (step_id, tokens, submitted at)
         self._in_flight: deque[tuple[int, int, float]] = deque()
         self._last_collected = 0.0  # monotonic time the last step's result came in
+        # step results read before ``collect`` asked for them (while submitting the next
+        # step, or while waiting for grammars), by step id
+        self._early_results: dict[int, m.ModelRunnerOutput] = {}
 
     # -- start-up --------------------------------------------------------------------
 
@@ -224,6 +227,9 @@ class MultiprocExecutor:
         step_id, num_tokens, submitted = self._in_flight[0]
         timeout_s = envs.VT_STEP_TIMEOUT_S
         started = max(submitted, self._last_collected)
+        early = self._early_results.pop(step_id, None)
+        if early is not None:
+            return self._collected(early)
         while True:
             elapsed = time.monotonic() - started
             if elapsed > timeout_s:
@@ -238,9 +244,20 @@ class MultiprocExecutor:
             if message is None:
                 continue
             if isinstance(message, m.ModelRunnerOutput) and message.step_id == step_id:
-                self._in_flight.popleft()
-                self._last_collected = time.monotonic()
-                return message
+                return self._collected(message)
+            self._keep_or_ignore(message)
+
+    def _collected(self, result: m.ModelRunnerOutput) -> m.ModelRunnerOutput:
+        self._in_flight.popleft()
+        self._last_collected = time.monotonic()
+        return result
+
+    def _keep_or_ignore(self, message: Any) -> None:
+        """Keep the result of a step in flight for its ``collect``; log anything else."""
+        in_flight = {step_id for step_id, _, _ in self._in_flight}
+        if isinstance(message, m.ModelRunnerOutput) and message.step_id in in_flight:
+            self._early_results[message.step_id] = message
+        else:
             logger.warning("ignoring unexpected worker message %r", type(message).__name__)
 
     def _absorb_queued(self) -> None:
@@ -250,7 +267,7 @@ class MultiprocExecutor:
         while self._socket.poll(0):
             message = self._read_one()
             if message is not None:
-                logger.warning("ignoring unexpected worker message %r", type(message).__name__)
+                self._keep_or_ignore(message)
 
     # -- grammars (structured outputs) -----------------------------------------------
 
