@@ -324,6 +324,11 @@ class SchedulerOutput(_Message, tag="step"):
     For each request, ``num_scheduled_tokens[request_id]`` tokens starting at its
     ``num_computed_tokens`` are computed this step. A request whose computed tokens then
     reach the end of its known tokens gets one sampled token.
+
+    Async scheduling: the tokens scheduled may end one position past the tokens the worker
+    has been sent; the token there is the one the step just before sampled for the request
+    (the worker feeds it from the device; the engine sends it in a later step's
+    ``new_token_ids``).
     """
 
     step_id: int
