@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -108,6 +109,8 @@ class DecodeInputs:
         self._staged_serials = np.full(b, -1, dtype=np.int64)
         self._staged_blocks = np.zeros(b, dtype=np.int64)
         self._num_staged = 0  # rows >= this one hold padding
+        self.platform = platform
+        self._copied: Any = None  # event after the last copy out of ``host`` (None: done)
 
     def host_view(self, name: str) -> np.ndarray:
         return self._host_views[name]
@@ -130,14 +133,16 @@ class DecodeInputs:
     def stage(self, batch: StepBatch) -> None:
         """Write a fitting decode batch into rows ``0 .. n - 1``, reset row ``n ..`` to
         padding, and copy the used part to the device (asynchronously from pinned
-        memory). The copy is done before the host buffer is written again: rank 0's
-        sampling waits for the step, and other ranks get the next step only after rank 0
-        sampled, which waited on their all-reduces, queued behind their copies.
+        memory). The host buffer is written again only once that copy is done (an event
+        after it): with async scheduling the next step is staged while this one may not
+        have started on the device. The wait is for the head of the step before's work.
 
         Every write is one vectorised numpy copy, and of the tables only the rows that
         differ from what the buffer holds (a new request in that place, or a new block)
         are gathered from the worker's persistent block table: in a run of decode steps,
         about one row in ``block_size``. No loop over requests."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy has read the host buffer
         n = batch.num_reqs
         host = self._host_views
         host["input_ids"][:n] = batch.input_ids
@@ -167,6 +172,7 @@ class DecodeInputs:
         self._staged_blocks[:n] = batch.num_blocks
         end = self._tables_start + n * self.blocks_per_seq
         self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
+        self._copied = self.platform.record_event()
 
     def metadata(self, size: int, num_kv_splits: int) -> AttentionMetadata:
         """Attention metadata over the first ``size`` rows (views of the device buffer)."""
