@@ -80,7 +80,7 @@ def tiny_model_dir(request, tmp_path_factory, smollm2_dir):
     return save_tiny_model(request.param, model_dir, smollm2_dir)
 
 
-def _serve(model_dir, tp_size: int) -> ServerProcess:
+def _serve(model_dir, tp_size: int, *flags: str) -> ServerProcess:
     return ServerProcess(
         "--model",
         str(model_dir),
@@ -90,6 +90,7 @@ def _serve(model_dir, tp_size: int) -> ServerProcess:
         "float32",
         "--kv-cache-memory",
         "64MiB",
+        *flags,
     ).start()
 
 
@@ -147,3 +148,24 @@ def test_tp2_matches_tp1_greedy(tiny_model_dir):
     assert len({c["choices"][0]["text"] for c in completions[1]}) == len(PROMPTS)
     # random weights rarely pick EOS; at least some prompts must run the full length
     assert any(c["usage"]["completion_tokens"] == NUM_TOKENS for c in completions[1])
+
+
+def test_tp2_with_async_scheduling_matches_tp1_greedy(tmp_path, smollm2_dir):
+    """Rank 0 broadcasts each step's sampled ids: rank 1 feeds the same next inputs."""
+    model_dir = save_tiny_model("llama", tmp_path / "tiny_tp_async", smollm2_dir)
+    servers = {1: _serve(model_dir, 1), 2: _serve(model_dir, 2, "--async-scheduling")}
+    try:
+        for server in servers.values():
+            server.wait_healthy()
+        completions = {tp: [_complete(s, p) for p in PROMPTS] for tp, s in servers.items()}
+    except BaseException:
+        for tp, server in servers.items():
+            print(f"--- TP={tp} server log ---\n{server.log()}")
+        raise
+    finally:
+        for server in servers.values():
+            server.stop()
+    for tp1, tp2 in zip(completions[1], completions[2], strict=True):
+        assert tp2["choices"][0]["text"] == tp1["choices"][0]["text"]
+        assert tp2["usage"] == tp1["usage"]
+    assert any(c["usage"]["completion_tokens"] == NUM_TOKENS for c in completions[2])

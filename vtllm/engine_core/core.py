@@ -22,8 +22,9 @@ compute; at most one step is in flight beyond the one being collected::
 
 The scheduler's output placeholders (``scheduler.py``) keep KV blocks, ``max_tokens`` and
 stops exact. While a live request needs its tokens on the host before each sample
-(``needs_host_tokens``: structured outputs, penalties, min_tokens, logprobs, pooling), or
-under tensor parallelism (for now), steps run one at a time (logged once per change).
+(``needs_host_tokens``: structured outputs, penalties, min_tokens, logprobs, pooling),
+steps run one at a time (logged once per change). Under tensor parallelism rank 0
+broadcasts each step's sampled ids to the other ranks, which feed them alike.
 """
 
 from __future__ import annotations
@@ -143,13 +144,6 @@ class EngineCore:
         # steps submitted and not collected yet, oldest first (at most 2 while async)
         self._in_flight: deque[ScheduledStep] = deque()
         self.async_scheduling = config.scheduler.async_scheduling
-        if self.async_scheduling and config.parallel.tensor_parallel_size > 1:
-            logger.warning(
-                "--async-scheduling is not supported with --tensor-parallel-size %d yet "
-                "(the other ranks would need rank 0's sampled tokens); steps run one at a time",
-                config.parallel.tensor_parallel_size,
-            )
-            self.async_scheduling = False
         self._overlapping = self.async_scheduling  # what the last step did, for the log
         warning = reserve_full_sequence_warning(config, facts)
         if warning is not None:

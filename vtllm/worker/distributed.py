@@ -25,6 +25,12 @@ class TPGroup:
             dist.all_reduce(x)
         return x
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Every rank's ``x`` becomes rank ``src``'s, in place; returns it."""
+        if self.size > 1:
+            dist.broadcast(x, src=src)
+        return x
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dim, in rank order."""
         if self.size == 1:

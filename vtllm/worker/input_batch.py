@@ -24,7 +24,8 @@ tokens before it knows the token there, which the step just before sampled. ``bu
 then takes that request's input from the previous step's sampled ids (``previous_rows``:
 request id → its row among them), leaves 0 in ``input_ids`` and records where the device
 copy goes (``prev_token_dst`` / ``prev_token_src``); ``model_runner`` fills it on the
-device, so no sampled id makes a round trip through the host::
+device, so no sampled id makes a round trip through the host (under tensor parallelism
+rank 0 broadcasts its sampled ids, so every rank holds them)::
 
     previous step sampled   [b9', c3']                 (rows 0, 1; on the device)
     this step               A prefill a4..a7 | B ? | C ?

@@ -124,6 +124,10 @@ class ModelRunner:
         # (async scheduling), and each sampled request's row in it
         self._last_sampled: torch.Tensor | None = None  # [num_sampled] int64
         self._last_sampled_rows: dict[str, int] = {}
+        self.tp = TPGroup()  # this rank's group; set by from_model_dir
+        # async scheduling under TP: rank 0 broadcasts each step's sampled ids, so that
+        # every rank feeds the same ids into the next step (set by the worker)
+        self.share_sampled_ids = False
         # set by from_model_dir: host RSS while building + loading, and what was read
         self.load_host_peak: HostPeak | None = None
         self.load_stats: LoadStats | None = None  # None for random (dummy) weights
@@ -177,6 +181,7 @@ class ModelRunner:
             model, device, dtype, vocab_size, seed, tp.rank == 0, eos_ids, model_dir, kv_cache_dtype
         )
         runner.load_host_peak, runner.load_stats = host_peak, stats
+        runner.tp = tp
         return runner
 
     def weight_bytes(self) -> int:
@@ -299,6 +304,11 @@ class ModelRunner:
                 embeddings = self.pooler.pool(batch, hidden, self.states)
             if self.is_driver and batch.sample_rows:
                 sampled_ids, sampled = self._sample(batch, logits, errors, invalid)
+            if self.share_sampled_ids and self.tp.size > 1 and batch.sample_rows:
+                if sampled_ids is None:  # [num_sampling] int64, rank 0's ids after this
+                    num = len(batch.sample_rows)
+                    sampled_ids = torch.empty(num, dtype=torch.int64, device=self.device)
+                self.tp.broadcast(sampled_ids)
         self._last_sampled = sampled_ids
         self._last_sampled_rows = (
             {batch.request_ids[row]: i for i, row in enumerate(batch.sample_rows)}

@@ -206,6 +206,7 @@ def _serve(
 
     expected = (m.SchedulerOutput, m.CompileGrammar, m.ReleaseGrammars, m.Shutdown)
     defer = config.scheduler.async_scheduling and runner.is_driver
+    runner.share_sampled_ids = config.scheduler.async_scheduling and world_size > 1
     pending: DeferredOutput | None = None  # the driver's last step output, not sent yet
     while True:
         compiling = _report_grammars(socket, runner)
