@@ -176,7 +176,9 @@ def attention_metadata(
     Entries of ``block_tables`` past the blocks a request needs may hold any valid block
     id (0 or blocks allocated ahead): nothing reads keys past a request's ``seq_len``.
     """
-    slots = torch.from_numpy(slot_mapping).to(device)
+    # non_blocking, as the kernel inputs below: a blocking copy would wait for the device
+    # to finish the step before (async scheduling queues this one behind it)
+    slots = torch.from_numpy(slot_mapping).to(device, non_blocking=True)
     if backend == "triton":
         return AttentionMetadata(
             slots,

@@ -362,7 +362,7 @@ class ModelRunner:
             hidden = self.decode_graphs.run(batch, feed)  # [num_reqs, hidden]
             if len(batch.sample_rows) == len(batch.request_ids):
                 return self.model.compute_logits(hidden), hidden
-            rows = torch.from_numpy(batch.logits_indices).to(self.device)
+            rows = self._to_device(batch.logits_indices)
             return self.model.compute_logits(hidden.index_select(0, rows)), hidden
         if self.compiled_decode is not None and batch.num_tokens == batch.num_reqs:
             hidden = self._compiled_decode(batch)  # [num_reqs, hidden] or None
@@ -381,12 +381,21 @@ class ModelRunner:
             self.device,
             self.attention_backend,
         )
-        input_ids = torch.from_numpy(batch.input_ids).to(self.device)
+        input_ids = self._to_device(batch.input_ids)
         self._feed_previous_tokens(input_ids, batch)
-        positions = torch.from_numpy(batch.positions).to(self.device)
+        positions = self._to_device(batch.positions)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
-        logits_indices = torch.from_numpy(batch.logits_indices).to(self.device)
+        logits_indices = self._to_device(batch.logits_indices)
         return self.model.compute_logits(hidden.index_select(0, logits_indices)), hidden
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device without waiting for the device: through pinned
+        memory, non-blocking, on a GPU (a blocking copy waits for the step before, which
+        async scheduling queues this one behind); the array itself, shared, on a CPU."""
+        host = torch.from_numpy(array)
+        if not self.platform.is_gpu:
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _compiled_decode(self, batch: StepBatch) -> torch.Tensor | None:
         """The compiled CPU decode step's hidden states ``[num_reqs, hidden]``; None after
