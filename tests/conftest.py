@@ -12,6 +12,44 @@ import pytest
 # turns it on where it is under test.
 os.environ.setdefault("VT_CPU_COMPILE", "off")
 
+# `make test` runs the suite in pytest-xdist workers (one a core). Each worker, and every
+# server or worker process its tests start, then gets its share of the cores: N workers each
+# running torch with as many threads as the machine has cores would oversubscribe them
+# (OpenMP threads spin-wait for each other). Set here, before anything imports torch.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ.setdefault("VT_CPU_THREADS", str(_share))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+
+# Modules that share one expensive entry of the session cache (``vt_cache_dir``) run on one
+# xdist worker, so that it is built once: both Gemma 3 modules use the converted Gemma 3
+# 270M GGUF.
+XDIST_SCOPES = {
+    "tests/e2e/test_gemma3.py": "gemma3",
+    "tests/worker/test_gemma3_gguf.py": "gemma3",
+}
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook; a run without xdist ignores it
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadscope`` by module (``XDIST_SCOPES`` joins some): a module's tests run on
+    one worker, so its module-scoped server starts once, as in a serial run.
+
+    (``--dist loadgroup`` with ``xdist_group`` marks would say the same, but xdist 3.8 tags
+    the groups onto ``item._nodeid``, which pytest 9.2 no longer reads: every test became
+    its own unit.)
+    """
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return XDIST_SCOPES.get(module, module)
+
+    return ModuleScheduling(config, log)
+
 
 @pytest.fixture(scope="session")
 def vt_cache_dir(tmp_path_factory) -> Path:
