@@ -96,6 +96,20 @@ def test_a_step_past_the_deadline_is_a_hung_device(make_executor, monkeypatch):
     assert "workers are alive" in str(e.value) and "rank 0: serving" in str(e.value)
 
 
+def test_a_hung_step_with_another_in_flight_is_a_hung_device(make_executor, monkeypatch):
+    """Async scheduling: two steps submitted, the first never answered."""
+    monkeypatch.setenv("VT_STEP_TIMEOUT_S", "1.5")
+    executor = make_executor("hang-step")
+    executor.start()
+    executor.init_kv_cache(4, 16)
+    started = time.monotonic()
+    executor.submit(STEP)
+    executor.submit(msgspec.structs.replace(STEP, step_id=2))
+    with pytest.raises(WorkerDiedError, match="step 1 .* did not finish within VT_STEP_TIMEOUT"):
+        executor.collect()
+    assert 1.5 <= time.monotonic() - started < 5
+
+
 def test_a_frozen_worker_is_told_apart_from_a_slow_step(make_executor, monkeypatch):
     monkeypatch.setenv("VT_WORKER_HEARTBEAT_TIMEOUT_S", "1.5")
     monkeypatch.setenv("VT_STEP_TIMEOUT_S", "60")
