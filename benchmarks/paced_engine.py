@@ -20,6 +20,7 @@ import queue
 import signal
 import time
 import uuid
+from collections import deque
 
 import zmq
 
@@ -40,6 +41,7 @@ class PacedExecutor:
         self.vocab_size = vocab_size
         self._lengths: dict[str, int] = {}  # request id → tokens known to the worker
         self._computed: dict[str, int] = {}
+        self._results: deque[m.ModelRunnerOutput] = deque()  # submitted, not collected
 
     def compile_grammar(self, request_id: str, seq: int, spec: m.StructuredOutputSpec) -> None:
         raise NotImplementedError("the paced engine serves no structured outputs")
@@ -55,6 +57,12 @@ class PacedExecutor:
 
     def shutdown(self) -> None:
         pass
+
+    def submit(self, step: m.SchedulerOutput) -> None:
+        self._results.append(self.execute(step))
+
+    def collect(self) -> m.ModelRunnerOutput:
+        return self._results.popleft()
 
     def execute(self, step: m.SchedulerOutput) -> m.ModelRunnerOutput:
         started = time.perf_counter()
