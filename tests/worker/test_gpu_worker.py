@@ -38,7 +38,10 @@ def test_platform_sees_the_gpu():
     size = before.torch_reserved - before.torch_allocated + 256 * 2**20
     held = torch.empty(size, dtype=torch.uint8, device=platform.device)
     after = platform.memory_snapshot()
-    assert after.torch_allocated - before.torch_allocated == held.numel()
+    # the caching allocator rounds a large block up to a multiple of 2 MiB (an exact
+    # equality held or not depending on which tests ran before: 2026-12-03, 250,368 over)
+    grown = after.torch_allocated - before.torch_allocated
+    assert held.numel() <= grown < held.numel() + 2 * 2**20
     assert after.torch_reserved >= after.torch_allocated
     new_from_device = after.torch_reserved - before.torch_reserved
     assert new_from_device >= 256 * 2**20
