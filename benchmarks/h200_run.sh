@@ -21,6 +21,7 @@
 #                 is skipped too)
 #   async-SHAPE   `vtllm bench latency` (batch 1, decode graphs) without, then with
 #                 --async-scheduling (skipped where this tree has no such flag)
+#   async-throughput-SHAPE  the same for `vtllm bench throughput` (256 prompts)
 #   moe-kernel    benchmarks/fused_moe_kernel.py: the fused-MoE kernel vs its torch reference
 #   moe-sweep     its --sweep: decode-path launch configurations at 1, 4, 16 tokens, and the
 #                 routed layer with the routing kernel vs torch routing
@@ -97,6 +98,13 @@ for phase in "$@"; do
       if ! has_shape "$shape"; then echo "skip $phase: no $shape in MODEL_SHAPES"; continue; fi
       timeout $limit python3 benchmarks/hf_baseline.py --model-shape "$shape" all \
         --num-prompts $prompts >> "$OUT/bench.jsonl" 2>> "$OUT/hf_$shape.log" ;;
+    async-throughput-*)
+      shape=${phase#async-throughput-}
+      for flag in "" --async-scheduling; do  # same call: synchronous first, then async
+        timeout 120 python3 -m vtllm.cli bench throughput --model-shape "$shape" $BENCH $flag \
+          >> "$OUT/bench.jsonl" 2>> "$OUT/async_throughput_$shape.log"
+        tail -1 "$OUT/bench.jsonl"
+      done ;;
     async-*)
       shape=${phase#async-}
       if ! has_shape "$shape"; then echo "skip $phase: no $shape in MODEL_SHAPES"; continue; fi
