@@ -107,23 +107,6 @@ def run(model_dir: str, quantization: str | None, steps: int, vocab: int, top_k:
     return result
 
 
-def graph_us(platform, fn, calls: int = 20, replays: int = 20) -> float:
-    """Microseconds per ``fn(i)`` call, from a device graph of calls ``i = 0 .. calls-1``
-    (no launch overhead) replayed ``replays`` times. ``fn`` picks its operands by ``i`` so
-    that a replay does not find them in L2."""
-    fn(0)
-    with platform.capture_graph(platform.new_graph_pool()) as graph:
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    platform.synchronize()
-    started = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    platform.synchronize()
-    return (time.perf_counter() - started) / (calls * replays) * 1e6
-
-
 def _dense_times(platform, n: int, k: int) -> dict:
     """One token through an ``[n, k]`` projection: bf16, FP8 per-row, FP8 128x128 blocks."""
     from vtllm.worker.kernels.fp8_matmul import fp8_matmul
@@ -138,12 +121,12 @@ def _dense_times(platform, n: int, k: int) -> dict:
     rows = [quantize_rows(one, platform.fp8_dtype) for one in w]
     blocks = [quantize_blocks(one, (128, 128), platform.fp8_dtype) for one in w]
     return {
-        "bf16_us": graph_us(platform, lambda i: torch.nn.functional.linear(x, w[i])),
-        "fp8_row_us": graph_us(
-            platform, lambda i: fp8_matmul(x, rows[i][0], rows[i][1][:, None], (1, k))
+        "bf16_us": platform.graph_us(lambda i: torch.nn.functional.linear(x, w[i])),
+        "fp8_row_us": platform.graph_us(
+            lambda i: fp8_matmul(x, rows[i][0], rows[i][1][:, None], (1, k))
         ),
-        "fp8_block_us": graph_us(
-            platform, lambda i: fp8_matmul(x, blocks[i][0], blocks[i][1], (128, 128))
+        "fp8_block_us": platform.graph_us(
+            lambda i: fp8_matmul(x, blocks[i][0], blocks[i][1], (128, 128))
         ),
     }
 
@@ -168,7 +151,7 @@ def sweep_dense_tiles(config: dict, tokens: int) -> list[dict]:
     for name, (n, k) in {"qkv": (qkv, hidden), "o": (hidden, heads * head_dim)}.items():
         w = [torch.randn(n, k, device=platform.device, dtype=torch.bfloat16) for _ in range(20)]
         x = torch.randn(tokens, k, device=platform.device, dtype=torch.bfloat16)
-        bf16_us = graph_us(platform, lambda i, x=x, w=w: torch.nn.functional.linear(x, w[i]))
+        bf16_us = platform.graph_us(lambda i, x=x, w=w: torch.nn.functional.linear(x, w[i]))
         results.append({"proj": name, "scales": "bf16 (cuBLAS)", "us": round(bf16_us, 1)})
         for kind, quantize, block in (
             ("row", lambda t: quantize_rows(t, platform.fp8_dtype), (1, k)),
@@ -184,8 +167,7 @@ def sweep_dense_tiles(config: dict, tokens: int) -> list[dict]:
                 for bn, bk, warps, stages in itertools.product((16, 32, 64), block_ks, (4,), (3, 5))
             ]
             for tiles in candidates:
-                us = graph_us(
-                    platform,
+                us = platform.graph_us(
                     lambda i, x=x, ws=weights, block=block, tiles=tiles: fp8_matmul(
                         x, *ws[i], block, tiles
                     ),
@@ -223,11 +205,10 @@ def kernel_times(config: dict) -> dict:
             for _ in range(20)
         ]
         weights = torch.full((1, top_k), 1.0 / top_k, device=device)
-        times["moe_bf16_us"] = graph_us(platform, lambda i: fused_moe(x, w13, w2, weights, ids[i]))
+        times["moe_bf16_us"] = platform.graph_us(lambda i: fused_moe(x, w13, w2, weights, ids[i]))
         (q13, s13), (q2, s2) = quantize_rows(w13, fp8), quantize_rows(w2, fp8)
         scales = ExpertScales(s13, None), ExpertScales(s2, None)
-        times["moe_fp8_row_us"] = graph_us(
-            platform,
+        times["moe_fp8_row_us"] = platform.graph_us(
             lambda i: fused_moe(
                 x, q13, q2, weights, ids[i], w13_scales=scales[0], w2_scales=scales[1]
             ),

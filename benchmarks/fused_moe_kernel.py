@@ -37,7 +37,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.fp8_decode import graph_us  # noqa: E402
 from vtllm.worker.kernels import fused_moe as moe_kernels  # noqa: E402
 from vtllm.worker.kernels import fused_moe_decode as decode_kernels  # noqa: E402
 from vtllm.worker.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
@@ -94,7 +93,7 @@ def sweep_decode(args, w13, w2, router) -> None:
             decode_kernels._gemv_tiles = lambda *_, gemv=gemv: gemv
             decode_kernels._down_sum_tiles = lambda *_, down=down: down
             try:
-                us = graph_us(platform, experts_only)
+                us = platform.graph_us(experts_only)
             except Exception as error:  # a configuration the compiler refuses
                 us = f"failed: {type(error).__name__}"
             print(json.dumps({"tokens": num_tokens, "gemv_tiles": gemv, "down_sum_tiles": down,
@@ -107,7 +106,7 @@ def sweep_decode(args, w13, w2, router) -> None:
                 topk_weights, topk_ids = route(logits, spec)
                 return fused_moe(x, w13, w2, topk_weights, topk_ids)
 
-            us = graph_us(platform, layer)
+            us = platform.graph_us(layer)
             print(json.dumps({"tokens": num_tokens, "layer_with_routing": routing, "us": round(us, 1)}),
                   flush=True)  # fmt: skip
 
@@ -148,7 +147,7 @@ def sweep_gemm(args, w13, w2) -> None:
         for gate_up, down in configs:
             moe_kernels._gemm_tiles = lambda _p, _e, gated, g=gate_up, d=down: g if gated else d
             try:
-                us = graph_us(platform, experts_only, calls=10, replays=5)
+                us = platform.graph_us(experts_only, calls=10, replays=5)
                 gbps = touched * expert_bytes / us / 1e3
                 fraction = round(gbps / args.peak_gbps, 3)
                 us = round(us, 1)
@@ -207,7 +206,7 @@ def main() -> None:
         ref_ms = _time_ms(fused_moe_ref, max(3, args.iters // 10), *problem)
         platform = detect_platform(0)
         align_us = {  # the grouped path's pair sort: kernels vs the torch twin (graph-timed)
-            name: round(graph_us(platform, lambda i, fn=fn, ids=ids: fn(ids, experts, 64)), 1)
+            name: round(platform.graph_us(lambda i, fn=fn, ids=ids: fn(ids, experts, 64)), 1)
             for name, fn in (
                 ("kernels", align_pairs_by_expert),
                 ("torch", align_pairs_by_expert_ref),

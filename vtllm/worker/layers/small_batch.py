@@ -85,36 +85,22 @@ def _dense_layers(model: nn.Module) -> dict[tuple[int, int], list[nn.Module]]:
     return by_shape
 
 
-def _graph_us(platform, product, weights: list[torch.Tensor], x: torch.Tensor) -> float:
-    """µs per ``product(x, weight)``, replayed from a device graph of calls over
-    ``weights`` in turn (no launch cost, as in a decode graph)."""
-    product(x, weights[0])  # compile / warm up outside the capture
-    with platform.capture_graph(platform.new_graph_pool()) as graph:
-        for i in range(_CALLS_PER_GRAPH):
-            product(x, weights[i % len(weights)])
-    graph.replay()
-    platform.synchronize()
-    started = time.perf_counter()
-    for _ in range(_REPLAYS):
-        graph.replay()
-    platform.synchronize()
-    return (time.perf_counter() - started) / (_REPLAYS * _CALLS_PER_GRAPH) * 1e6
-
-
 def time_shape(platform, layers: list[nn.Module]) -> ShapeTiming:
     """Time one row through the library GEMM and each candidate GEMV on ``layers``'
     weights (all of one shape)."""
     weights = [layer.weight for layer in layers[:_DISTINCT_WEIGHTS]]
     n, k = weights[0].shape
     x = torch.randn(1, k, device=weights[0].device, dtype=weights[0].dtype)
-    library_us = _graph_us(platform, F.linear, weights, x)
-    best: tuple[float, GemvTiles] | None = None
-    for tiles in CANDIDATE_TILES:
-        us = _graph_us(platform, lambda x, w, tiles=tiles: gemv(x, w, tiles), weights, x)
-        if best is None or us < best[0]:
-            best = (us, tiles)
-    assert best is not None
-    return ShapeTiming((n, k), len(layers), library_us, best[0], best[1])
+
+    def graph_us(product) -> float:  # one row through product(x, weight), weights in turn
+        return platform.graph_us(
+            lambda i: product(x, weights[i % len(weights)]), _CALLS_PER_GRAPH, _REPLAYS
+        )
+
+    library_us = graph_us(F.linear)
+    gemv_us = {tiles: graph_us(lambda x, w, t=tiles: gemv(x, w, t)) for tiles in CANDIDATE_TILES}
+    tiles = min(gemv_us, key=gemv_us.get)
+    return ShapeTiming((n, k), len(layers), library_us, gemv_us[tiles], tiles)
 
 
 def tune_small_batch_linears(model: nn.Module, platform) -> list[ShapeTiming]:
