@@ -4,7 +4,8 @@
 #   device run: bash benchmarks/h200_run.sh PHASE...   (carry .whl)
 # Phases, run in the order given:
 #   graph-tests   the decode-graph GPU tests (fast)
-#   gpu-tests     every `pytest -m gpu` test
+#   gpu-tests     every `pytest -m gpu` test (the memory-measuring modules alone, then the
+#                 rest over $GPU_TEST_WORKERS xdist processes, default 6; ~? min)
 #   gpu-subset    the GPU tests named in $GPU_TESTS (pytest arguments; $GPU_SUBSET_TIMEOUT s)
 #   load-tests    weights to the GPU with the host RSS peak: a 1.6 GiB safetensors checkpoint
 #                 and a 16 GiB random model (tests/worker/test_weight_streaming.py)
@@ -56,6 +57,7 @@ fi
 BENCH="--input-len 32 --output-len 128 --num-iters 3 --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192"
 MOE_BENCH="$BENCH --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 4096"
 MOE_SHAPES=" qwen3-30b-a3b gemma4-26b-moe "
+GPU_MEMORY_TESTS="tests/worker/test_gpu_worker.py tests/worker/test_gpu_fp8_kv_cache.py tests/worker/test_weight_streaming.py"
 has_shape() { python3 -c "import sys; from vtllm.bench import MODEL_SHAPES; sys.exit('$1' not in MODEL_SHAPES)"; }
 for phase in "$@"; do
   echo "== $phase $(date +%T)"
@@ -70,8 +72,18 @@ for phase in "$@"; do
       timeout 150 python3 -m pytest -m gpu -q -rP -p no:cacheprovider \
         tests/worker/test_weight_streaming.py >> "$OUT/gpu_tests.txt" 2>&1 ;;
     gpu-tests)
-      timeout 560 python3 -m pytest -m gpu -q -rP -p no:cacheprovider --durations=15 tests/worker tests/test_boundaries.py \
-        >> "$OUT/gpu_tests.txt" 2>&1 ;;
+      # The modules that measure device memory (worker start-up budgets, FP8 KV capacity,
+      # weight streaming) run alone first; every other GPU test then runs spread over
+      # $GPU_TEST_WORKERS pytest-xdist processes on the one GPU (Triton compiles on the CPU
+      # cores, which is where a serial run spends most of its time).
+      suite_start=$(date +%s)
+      timeout 240 python3 -m pytest -m gpu -q -rP -p no:cacheprovider --durations=10 \
+        $GPU_MEMORY_TESTS >> "$OUT/gpu_tests.txt" 2>&1
+      echo "serial part: rc=$? $(( $(date +%s) - suite_start )) s" | tee -a "$OUT/gpu_tests.txt"
+      timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 \
+        -n "${GPU_TEST_WORKERS:-6}" --dist load tests/worker tests/test_boundaries.py \
+        $(printf -- ' --ignore=%s' $GPU_MEMORY_TESTS) >> "$OUT/gpu_tests.txt" 2>&1
+      echo "GPU suite: rc=$? $(( $(date +%s) - suite_start )) s in all" | tee -a "$OUT/gpu_tests.txt" ;;
     bench-qwen3-30b-a3b|bench-gemma4-26b-moe)
       shape=${phase#bench-}
       if ! has_shape "$shape"; then echo "skip $phase: no $shape in MODEL_SHAPES"; continue; fi

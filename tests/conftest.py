@@ -30,6 +30,21 @@ XDIST_SCOPES = {
 }
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every ``gpu``-marked test skips on a machine without a CUDA or ROCm GPU, so that
+    ``pytest -m gpu`` on CPU reports skips instead of running H200-sized tests on the host."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    from vtllm.worker.platform import detect_platform
+
+    if detect_platform().is_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA or ROCm GPU")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook; a run without xdist ignores it
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """``--dist loadscope`` by module (``XDIST_SCOPES`` joins some): a module's tests run on
