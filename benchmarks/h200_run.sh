@@ -22,6 +22,8 @@
 #                 is skipped too)
 #   async-SHAPE   `vtllm bench latency` (batch 1, decode graphs) without, then with
 #                 --async-scheduling (skipped where this tree has no such flag)
+#   prefill-SHAPE `vtllm bench prefill`: one 8,000-token prompt, seconds and TFLOP/s against a
+#                 matmul of the model's widest linear at 8,000 rows in the same run
 #   async-throughput-SHAPE  the same for `vtllm bench throughput` (256 prompts)
 #   moe-kernel    benchmarks/fused_moe_kernel.py: the fused-MoE kernel vs its torch reference
 #   moe-sweep     its --sweep: decode-path launch configurations at 1, 4, 16 tokens, and the
@@ -110,6 +112,11 @@ for phase in "$@"; do
       if ! has_shape "$shape"; then echo "skip $phase: no $shape in MODEL_SHAPES"; continue; fi
       timeout $limit python3 benchmarks/hf_baseline.py --model-shape "$shape" all \
         --num-prompts $prompts >> "$OUT/bench.jsonl" 2>> "$OUT/hf_$shape.log" ;;
+    prefill-*)
+      shape=${phase#prefill-}
+      timeout 120 python3 -m vtllm.cli bench prefill --model-shape "$shape" --input-len 8000 \
+        --num-iters 5 --max-num-batched-tokens 8192 >> "$OUT/bench.jsonl" 2>> "$OUT/prefill_$shape.log"
+      tail -1 "$OUT/bench.jsonl" ;;
     async-throughput-*)
       shape=${phase#async-throughput-}
       for flag in "" --async-scheduling; do  # same call: synchronous first, then async

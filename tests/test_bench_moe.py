@@ -1,4 +1,4 @@
-"""``vtllm bench all`` end to end on CPU over a shrunken Qwen3-30B-A3B (the H200 benchmark's
+"""``vtllm bench all`` and ``prefill`` end to end on CPU over a shrunken Qwen3-30B-A3B (the H200 benchmark's
 shape with 2 layers, 16 experts, top-4): engine core and worker as real processes, random
 weights from a ``--model-shape`` config.json, the random-length throughput workload."""
 
@@ -11,8 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from vtllm.bench import MODEL_SHAPES
-from vtllm.roofline import model_bytes
+from vtllm.roofline import model_bytes, prefill_flops
 
 _SHRUNKEN = dict(
     MODEL_SHAPES["qwen3-30b-a3b"],
@@ -55,3 +57,19 @@ def test_bench_all_runs_a_moe_shape_with_random_length_prompts(tmp_path):
     assert throughput["kind"] == "throughput" and throughput["num_prompts"] == 5
     assert (throughput["input_tokens"], throughput["output_tokens"]) == (inputs, outputs)
     assert "weights: " in child.stderr and "host RSS peak" in child.stderr  # start-up log
+
+
+def test_bench_prefill_reads_the_prompt_against_a_matmul_of_the_widest_linear(tmp_path):
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(_SHRUNKEN))
+    command = [sys.executable, "-m", "vtllm.cli", "bench", "prefill", "--model-shape"]
+    command += [str(config_path), "--input-len", "200", "--num-iters", "2"]
+    command += ["--kv-cache-memory", "64MiB"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    child = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    assert child.returncode == 0, child.stderr[-4000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert result["kind"] == "prefill" and result["input_len"] == 200
+    assert result["prefill_tok_s"] == pytest.approx(200 / result["prefill_s"], rel=0.01)
+    assert result["model_tflop"] == round(prefill_flops(_SHRUNKEN, 200) / 1e12, 2)
+    assert result["matmul_tflop_s"] > 0 and result["matmul_fraction"] > 0

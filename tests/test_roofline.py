@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from vtllm.bench import MODEL_SHAPES
-from vtllm.roofline import model_bytes
+from vtllm.roofline import model_bytes, prefill_flops
 
 # mistralai/Mixtral-8x7B-v0.1's shapes: 8 experts 14336 wide, top 2, in every layer
 MIXTRAL_8X7B = dict(
@@ -126,3 +126,26 @@ def test_fp8_linears_and_kv_are_one_byte_the_rest_stays_bf16():
     assert bf16.step_weight_bytes - fp8.step_weight_bytes == linears_in_step
     assert fp8.step_expert_bytes * 2 == bf16.step_expert_bytes
     assert fp8.kv_bytes(10) * 2 == bf16.kv_bytes(10)
+
+
+def test_prefill_flops_of_llama3_8b_by_hand():
+    hf, tokens = MODEL_SHAPES["llama3-8b"], 8000
+    h, layers, vocab = 4096, 32, hf["vocab_size"]
+    per_layer = 2 * h * h + 2 * h * 1024 + 3 * h * 14336 + 2 * h  # q o, k v, MLP, norms
+    linears = 2 * tokens * (layers * per_layer + h)  # + the final norm
+    lm_head = 2 * vocab * h  # the last token's logits only
+    attention = layers * 4 * 32 * 128 * tokens * (tokens + 1) // 2
+    assert prefill_flops(hf, tokens) == linears + lm_head + attention
+    # ~129 TFLOP, of which causal attention is ~13 %
+    assert 1.28e14 < prefill_flops(hf, tokens) < 1.30e14
+
+
+def test_prefill_attention_flops_stop_growing_at_the_sliding_window():
+    hf = dict(MIXTRAL_8X7B, model_type="mistral", intermediate_size=14336, sliding_window=100)
+    del hf["num_local_experts"], hf["num_experts_per_tok"]
+    dense = prefill_flops(dict(hf, sliding_window=None), 300)
+    windowed = prefill_flops(hf, 300)
+    per_key = 4 * 32 * 128 * 32  # heads x head_dim x layers, 4 FLOP a query-key pair
+    all_pairs = sum(i + 1 for i in range(300))
+    window_pairs = sum(min(i + 1, 100) for i in range(300))
+    assert dense - windowed == per_key * (all_pairs - window_pairs)

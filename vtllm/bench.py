@@ -1,4 +1,4 @@
-"""``vtllm bench latency`` and ``vtllm bench throughput``: the real engine core and workers,
+"""``vtllm bench latency``, ``throughput`` and ``prefill``: the real engine core and workers,
 driven over the protocol client with random token ids (no HTTP, no tokenizer).
 
 Models: ``--model DIR`` or ``--model-shape NAME|CONFIG.json`` (a known model's shape or any config,
@@ -12,6 +12,10 @@ Throughput: every weight once per engine step (with hundreds of sequences a step
 128 routing touches every expert: 1 - (1 - 8/128)^256 ≈ 1) plus each decode's KV.
 FP8: ``--quantization fp8`` (or an FP8 checkpoint) counts the linears and experts at one
 byte; ``--kv-cache-dtype fp8`` the KV at one.
+
+Prefill (one ``--input-len`` prompt, one output token): its FLOPs (``vtllm.roofline.prefill_flops``)
+over the time to the first token, against a dense matmul of the model's widest linear at that
+many rows measured in the same run.
 
 Throughput prompts: ``--num-prompts`` of random token ids, input and output lengths drawn
 uniformly from ``--input-len-range`` / ``--output-len-range`` (inclusive), seed 0, so every
@@ -32,7 +36,7 @@ from typing import Any
 from vtllm import envs
 from vtllm.config import VtllmConfig
 from vtllm.protocol import messages as m
-from vtllm.roofline import ModelBytes, model_bytes
+from vtllm.roofline import ModelBytes, model_bytes, prefill_flops
 
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-135m": {
@@ -256,6 +260,55 @@ def bench_latency(client, args: argparse.Namespace, vocab: int) -> dict[str, Any
     return {"ttft_s": round(ttft, 4), "decode_tok_s": round(tok_s, 1)}
 
 
+def bench_prefill(client, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """One ``--input-len`` prompt and one output token, ``--num-iters`` times after a
+    warm-up, each a fresh random prompt (the prefix cache never hits): the median time to
+    the first token, which is the prefill plus one step's overhead."""
+    rng = random.Random(1)
+    params = m.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for i in range(args.num_iters + 1):  # the first is warm-up
+        request_id = f"prefill-{i}-{uuid.uuid4().hex[:6]}"
+        prompt = _random_prompt(rng, args.input_len, vocab)
+        started = time.perf_counter()
+        client.add_request(request_id, prompt, params)
+        for _ in client.stream(request_id):
+            pass
+        if i:
+            times.append(time.perf_counter() - started)
+    prefill_s = sorted(times)[len(times) // 2]
+    return {
+        "input_len": args.input_len,
+        "prefill_s": round(prefill_s, 4),
+        "prefill_tok_s": round(args.input_len / prefill_s, 1),
+    }
+
+
+def measure_matmul_tflops(m_rows: int, k: int, n: int, dtype_name: str, repeats: int = 20) -> float:
+    """The device's dense matmul rate (FLOP/s) on ``[m_rows, k] @ [k, n]`` in ``dtype_name``
+    (the model's widest linear at the prompt's length): the ceiling a prefill is read
+    against."""
+    import torch
+
+    from vtllm.worker.platform import detect_platform
+
+    platform = detect_platform(0)
+    dtype = getattr(torch, dtype_name)
+    a = torch.randn(m_rows, k, dtype=dtype, device=platform.device)
+    b = torch.randn(k, n, dtype=dtype, device=platform.device)
+    for _ in range(3):
+        a @ b
+    platform.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    platform.synchronize()
+    elapsed = time.perf_counter() - started
+    del a, b
+    platform.empty_cache()
+    return 2 * m_rows * k * n * repeats / elapsed
+
+
 def bench_throughput(client, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     rng = random.Random(0)
     lo_in, hi_in = args.input_len_range
@@ -305,7 +358,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="random weights of a known shape (" + ", ".join(sorted(MODEL_SHAPES)) + ") or "
         "of a config.json file's",
     )
-    parser.add_argument("--input-len", type=int, default=32, help="latency: prompt tokens")
+    parser.add_argument(
+        "--input-len", type=int, default=32, help="latency and prefill: prompt tokens"
+    )
     parser.add_argument("--output-len", type=int, default=128, help="latency: output tokens")
     parser.add_argument("--num-iters", type=int, default=3, help="latency: timed runs")
     parser.add_argument("--num-prompts", type=int, default=256, help="throughput: prompts")
@@ -338,7 +393,15 @@ def run_bench(kind: str, args: argparse.Namespace, config: VtllmConfig) -> int:
 
         model_dir = resolve_model(config)
     hf = json.loads((Path(model_dir) / "config.json").read_text())
-    bandwidth = None if args.no_roofline else measure_copy_bandwidth()
+    # a prefill is read against the matmul rate, not the bandwidth
+    bandwidth = None if args.no_roofline or kind == "prefill" else measure_copy_bandwidth()
+    matmul_flops = None
+    if kind == "prefill" and not args.no_roofline:
+        from vtllm.worker.platform import detect_platform
+
+        name = str(detect_platform(0).resolve_dtype(config.model.dtype)).removeprefix("torch.")
+        widest = 2 * (hf.get("moe_intermediate_size") or hf["intermediate_size"])  # gate + up
+        matmul_flops = measure_matmul_tflops(args.input_len, hf["hidden_size"], widest, name)
     process, client, runtime_dir = _engine(config, model_dir)
     try:
         from vtllm.worker.platform import detect_platform
@@ -362,6 +425,14 @@ def run_bench(kind: str, args: argparse.Namespace, config: VtllmConfig) -> int:
                     result["roofline_fraction"] = round(
                         result["decode_tok_s"] / result["roofline_tok_s"], 3
                     )
+            elif one_kind == "prefill":
+                result = bench_prefill(client, args, vocab)
+                flops = prefill_flops(hf, args.input_len)
+                result["model_tflop"] = round(flops / 1e12, 2)
+                result["tflop_s"] = round(flops / result["prefill_s"] / 1e12, 1)
+                if matmul_flops:
+                    result["matmul_tflop_s"] = round(matmul_flops / 1e12, 1)
+                    result["matmul_fraction"] = round(flops / result["prefill_s"] / matmul_flops, 3)
             else:
                 result = bench_throughput(client, args, vocab)
                 kv_read = sum(

@@ -253,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     for kind, text in (
         ("latency", "batch-1 decode: time to first token and decode tok/s"),
         ("throughput", "offline: N random prompts at once; output and total tok/s"),
+        ("prefill", "one --input-len prompt: seconds to the first token, TFLOP/s vs a matmul"),
         ("all", "latency, then throughput, on one engine start"),
     ):
         kind_parser = bench_sub.add_parser(kind, help=text, description=text)

@@ -144,6 +144,29 @@ def model_bytes(
     return ModelBytes(total, step, experts, step_experts, tuple(kv_layers))
 
 
+def prefill_flops(hf: dict[str, Any], num_tokens: int) -> int:
+    """The floating-point operations (multiply and add counted apart) of prefilling one
+    ``num_tokens`` prompt with logits for its last token only: the linears every token
+    runs (with experts: its top-k) plus causal attention (query ``i`` attends ``i + 1``
+    keys, at most a sliding layer's window; scores and values 2 FLOP a multiply-add each).
+
+    Query width per layer: ``num_attention_heads × head_dim`` (Gemma 4's wider full
+    layers: ``global_head_dim``). Norm weights count as linear parameters (< 0.01 %)."""
+    counted = model_bytes(hf, dtype_bytes=1)  # 1 byte a parameter: bytes are parameters
+    h, vocab = hf["hidden_size"], hf["vocab_size"]
+    # what one token's step touches, less the LM head and the embedding row it looks up
+    linear_params = counted.step_weight_bytes - vocab * h - h
+    flops = 2 * linear_params * num_tokens + 2 * vocab * h
+    heads = hf["num_attention_heads"]
+    layer_types = hf.get("layer_types") or [_default_layer_type(hf)] * len(counted.kv_layers)
+    for layer_type, kv_layer in zip(layer_types, counted.kv_layers, strict=True):
+        full = layer_type == _FULL
+        head_dim = (full and hf.get("global_head_dim")) or hf.get("head_dim") or h // heads
+        keys = _sum_capped(1, num_tokens + 1, kv_layer.window)
+        flops += 4 * heads * head_dim * keys
+    return flops
+
+
 def _default_layer_type(hf: dict[str, Any]) -> str:
     """Without ``layer_types``: Mistral and Mixtral slide on every layer when
     ``sliding_window`` is set; Qwen2/3 only with ``use_sliding_window``."""
