@@ -23,7 +23,8 @@
 #   async-SHAPE   `vtllm bench latency` (batch 1, decode graphs) without, then with
 #                 --async-scheduling (skipped where this tree has no such flag)
 #   prefill-SHAPE `vtllm bench prefill`: one 8,000-token prompt, seconds and TFLOP/s against a
-#                 matmul of the model's widest linear at 8,000 rows in the same run
+#                 matmul of the model's widest linear at 8,000 rows in the same run; in one
+#                 step (--long-prefill-token-threshold 0), then in the default's 512-token chunks
 #   async-throughput-SHAPE  the same for `vtllm bench throughput` (256 prompts)
 #   moe-kernel    benchmarks/fused_moe_kernel.py: the fused-MoE kernel vs its torch reference
 #   moe-sweep     its --sweep: decode-path launch configurations at 1, 4, 16 tokens, and the
@@ -114,12 +115,15 @@ for phase in "$@"; do
         --num-prompts $prompts >> "$OUT/bench.jsonl" 2>> "$OUT/hf_$shape.log" ;;
     prefill-*)
       shape=${phase#prefill-}
-      timeout 120 python3 -m vtllm.cli bench prefill --model-shape "$shape" --input-len 8000 \
-        --num-iters 5 --max-num-batched-tokens 8192 >> "$OUT/bench.jsonl" 2>> "$OUT/prefill_$shape.log"
-      tail -1 "$OUT/bench.jsonl" ;;
+      for threshold in 0 512; do  # the prompt in one step, then in the serve default's chunks
+        timeout 120 python3 -m vtllm.cli bench prefill --model-shape "$shape" --input-len 8000 \
+          --num-iters 5 --max-num-batched-tokens 8192 --long-prefill-token-threshold $threshold \
+          >> "$OUT/bench.jsonl" 2>> "$OUT/prefill_$shape.log"
+        tail -1 "$OUT/bench.jsonl"
+      done ;;
     async-throughput-*)
       shape=${phase#async-throughput-}
-      for flag in "" --async-scheduling; do  # same call: synchronous first, then async
+      for flag in --no-async-scheduling --async-scheduling; do  # same call: sync first, then async
         timeout 120 python3 -m vtllm.cli bench throughput --model-shape "$shape" $BENCH $flag \
           >> "$OUT/bench.jsonl" 2>> "$OUT/async_throughput_$shape.log"
         tail -1 "$OUT/bench.jsonl"
@@ -130,7 +134,7 @@ for phase in "$@"; do
       if ! python3 -m vtllm.cli bench latency --help 2>/dev/null | grep -q -- "--async-scheduling"; then
         echo "skip $phase: this tree has no --async-scheduling"; continue
       fi
-      for flag in "" --async-scheduling; do  # same call: synchronous first, then async
+      for flag in --no-async-scheduling --async-scheduling; do  # same call: sync first, then async
         timeout 120 python3 -m vtllm.cli bench latency --model-shape "$shape" $BENCH $flag \
           >> "$OUT/bench.jsonl" 2>> "$OUT/async_$shape.log"
         tail -1 "$OUT/bench.jsonl"

@@ -173,3 +173,11 @@ def test_every_serve_flag_is_in_usage():
     }
     undocumented = sorted(f for f in flags if not re.search(rf"`{re.escape(f)}[` ]", doc))
     assert not undocumented, undocumented
+
+
+def test_async_scheduling_is_unset_unless_a_flag_says_on_or_off():
+    """vLLM's ``--async-scheduling`` / ``--no-async-scheduling``; unset, the engine core
+    turns it on over GPU workers (``config.async_scheduling_enabled``)."""
+    assert parse("serve org/m").scheduler.async_scheduling is None
+    assert parse("serve org/m --async-scheduling").scheduler.async_scheduling is True
+    assert parse("serve org/m --no-async-scheduling").scheduler.async_scheduling is False

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from vtllm import envs
-from vtllm.config import VtllmConfig
+from vtllm.config import VtllmConfig, async_scheduling_enabled
 from vtllm.protocol import messages as m
 from vtllm.roofline import ModelBytes, model_bytes, prefill_flops
 
@@ -449,7 +449,9 @@ def run_bench(kind: str, args: argparse.Namespace, config: VtllmConfig) -> int:
                 quantization=getattr(config.model, "quantization", None),
                 kv_cache_dtype=getattr(config.cache, "kv_cache_dtype", "auto"),
                 decode_graphs=graphs,
-                async_scheduling=config.scheduler.async_scheduling,
+                async_scheduling=async_scheduling_enabled(
+                    config.scheduler.async_scheduling, platform.is_gpu
+                ),
                 weight_gib=round(sizes.total_weight_bytes / 1024**3, 3),
                 step_weight_fraction=round(sizes.step_weight_fraction, 4),
                 copy_bandwidth_gb_s=round(bandwidth / 1e9, 1) if bandwidth else None,

@@ -185,6 +185,12 @@ class CacheConfig:
     )
 
 
+def async_scheduling_enabled(setting: bool | None, on_gpu: bool) -> bool:
+    """``--async-scheduling`` resolved: as given, or (unset) on exactly when the workers
+    run on GPUs. The engine core and every worker resolve it the same way."""
+    return on_gpu if setting is None else setting
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = _opt(64, "Most requests in one batch.")
@@ -210,14 +216,15 @@ class SchedulerConfig:
         "flowing too); the rest of --max-num-batched-tokens serves the others. 0: no cap, "
         "a prefill takes the whole budget.",
     )
-    async_scheduling: bool = _opt(
-        False,
+    async_scheduling: bool | None = _opt(
+        None,
         "Schedule and send step N+1 while the workers still run step N, so the engine "
         "core's scheduling, the IPC and the worker's input preparation overlap the "
         "device instead of adding to every step. Outputs are the same as without it. "
         "Steps go back to one at a time while a request with a structured output, "
         "penalties, min_tokens, logprobs or pooling is running (they need each step's "
-        "tokens on the host first).",
+        "tokens on the host first). Unset: on when the workers run on GPUs, off on CPU "
+        "(there the worker computes on the cores the engine core would overlap it with).",
     )
     max_waiting_requests: int = _opt(
         4096,

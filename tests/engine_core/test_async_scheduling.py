@@ -9,12 +9,15 @@ the placeholder accounting is checked step by step.
 from __future__ import annotations
 
 import inspect
+import logging
 
 import pytest
 
 from tests.engine_core import test_engine_core as base
+from tests.engine_core.fake_executor import FakeExecutor
 from tests.engine_core.test_engine_core import EOS, add, expected_tokens, make_core, prompt_of
-from vtllm.engine_core.core import EngineCore
+from vtllm.config import VtllmConfig
+from vtllm.engine_core.core import EngineCore, EngineFacts
 from vtllm.protocol import messages as m
 
 # These assert in which call of ``step()`` an output comes; async scheduling hands each
@@ -162,3 +165,27 @@ def test_at_most_one_step_in_flight_beyond_the_one_collected():
     assert max(depth) == 1 and core.scheduler.num_preemptions_total > 0
     for request_id, prompt in prompts.items():
         assert results[request_id] == expected_tokens(prompt, 7)
+
+
+@pytest.mark.parametrize(
+    ("setting", "on_gpu", "expected"),
+    [(None, True, True), (None, False, False), (False, True, False), (True, False, True)],
+)
+def test_async_scheduling_unset_follows_the_workers_device(setting, on_gpu, expected, caplog):
+    """Unset ``--async-scheduling``: on over GPU workers, off over CPU ones (the start-up
+    log says which and how to change it); a given value is kept either way."""
+    config = VtllmConfig()
+    config.scheduler.async_scheduling = setting
+    facts = EngineFacts("test", 128, 1000, 64, 4, (EOS,), on_gpu=on_gpu)
+    with caplog.at_level(logging.INFO, logger="vtllm"):
+        core = EngineCore(config, facts, FakeExecutor(vocab_size=1000, block_size=4))
+    assert core.async_scheduling is expected
+    said = [r.getMessage() for r in caplog.records if "async scheduling" in r.getMessage()]
+    if setting is None:
+        device = "GPUs" if on_gpu else "CPU"
+        flag = "--no-async-scheduling" if expected else "--async-scheduling"
+        assert said == [
+            f"async scheduling {'on' if expected else 'off'} (the default on {device}; {flag} to change it)"
+        ]
+    else:
+        assert said == []

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import msgspec
 
 from vtllm import envs
-from vtllm.config import VtllmConfig
+from vtllm.config import VtllmConfig, async_scheduling_enabled
 from vtllm.engine_core.guards import validate_request
 from vtllm.engine_core.request import Request, RequestStatus
 from vtllm.engine_core.scheduler import ScheduledStep, Scheduler
@@ -94,6 +94,7 @@ class EngineFacts:
     num_blocks: int
     block_size: int
     eos_token_ids: tuple[int, ...]
+    on_gpu: bool = False  # the workers compute on GPUs
 
 
 Outputs = list[tuple[ClientId, m.RequestOutput]]
@@ -143,8 +144,17 @@ class EngineCore:
         self._grammar_ids: set[str] = set()  # live requests whose grammar the driver holds
         # steps submitted and not collected yet, oldest first (at most 2 while async)
         self._in_flight: deque[ScheduledStep] = deque()
-        self.async_scheduling = config.scheduler.async_scheduling
+        self.async_scheduling = async_scheduling_enabled(
+            config.scheduler.async_scheduling, facts.on_gpu
+        )
         self._overlapping = self.async_scheduling  # what the last step did, for the log
+        if config.scheduler.async_scheduling is None:
+            logger.info(
+                "async scheduling %s (the default on %s; --%sasync-scheduling to change it)",
+                "on" if self.async_scheduling else "off",
+                "GPUs" if facts.on_gpu else "CPU",
+                "no-" if self.async_scheduling else "",
+            )
         warning = reserve_full_sequence_warning(config, facts)
         if warning is not None:
             logger.warning(warning)

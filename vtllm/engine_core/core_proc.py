@@ -219,6 +219,7 @@ def start_engine(config: VtllmConfig, model_dir: str, worker_address: str, dist_
         num_blocks=fit.num_blocks,
         block_size=block_size,
         eos_token_ids=tuple(facts.eos_token_ids),
+        on_gpu=reports[0].on_gpu,
     )
     return executor, engine_facts
 

@@ -287,6 +287,7 @@ class WorkerReport(_Message, tag="report"):
     rank: int
     facts: ModelFacts
     usable_kv_bytes: int  # bytes this rank can give to its KV cache
+    on_gpu: bool = False  # the rank computes on a GPU (unset --async-scheduling: on)
 
 
 class InitKVCache(_Message, tag="init_kv"):

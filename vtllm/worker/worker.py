@@ -42,7 +42,7 @@ import torch
 import zmq
 
 from vtllm import envs
-from vtllm.config import VtllmConfig
+from vtllm.config import VtllmConfig, async_scheduling_enabled
 from vtllm.process import become_child_process
 from vtllm.protocol import codec
 from vtllm.protocol import messages as m
@@ -167,7 +167,8 @@ def _serve(
     max_position = facts.max_position_embeddings
     usable = _usable_kv_bytes(config, platform, runner, max_position, use_graphs, at_start)
     _log_phase("profiled memory", started)
-    socket.send(codec.encode(m.WorkerReport(rank=rank, facts=facts, usable_kv_bytes=usable)))
+    report = m.WorkerReport(rank=rank, facts=facts, usable_kv_bytes=usable, on_gpu=platform.is_gpu)
+    socket.send(codec.encode(report))
 
     decoder = codec.engine_to_worker_decoder()
     heartbeat.phase = "waiting for the KV cache size"
@@ -205,8 +206,9 @@ def _serve(
     _log_ready(runner, platform, rank, world_size, init)
 
     expected = (m.SchedulerOutput, m.CompileGrammar, m.ReleaseGrammars, m.Shutdown)
-    defer = config.scheduler.async_scheduling and runner.is_driver
-    runner.share_sampled_ids = config.scheduler.async_scheduling and world_size > 1
+    async_on = async_scheduling_enabled(config.scheduler.async_scheduling, platform.is_gpu)
+    defer = async_on and runner.is_driver
+    runner.share_sampled_ids = async_on and world_size > 1
     pending: DeferredOutput | None = None  # the driver's last step output, not sent yet
     while True:
         compiling = _report_grammars(socket, runner)
