@@ -25,6 +25,9 @@
 #   prefill-SHAPE `vtllm bench prefill`: one 8,000-token prompt, seconds and TFLOP/s against a
 #                 matmul of the model's widest linear at 8,000 rows in the same run; in one
 #                 step (--long-prefill-token-threshold 0), then in the default's 512-token chunks
+#   attn-sweep    benchmarks/attention_kernel.py: the paged-attention kernel's launch
+#                 configurations on the Llama-3-8B shape (8k prefill vs torch SDPA, decodes)
+#   tput-SHAPE    `vtllm bench throughput` alone (256 prompts [100, 1024]), default flags
 #   async-throughput-SHAPE  the same for `vtllm bench throughput` (256 prompts)
 #   moe-kernel    benchmarks/fused_moe_kernel.py: the fused-MoE kernel vs its torch reference
 #   moe-sweep     its --sweep: decode-path launch configurations at 1, 4, 16 tokens, and the
@@ -113,6 +116,17 @@ for phase in "$@"; do
       if ! has_shape "$shape"; then echo "skip $phase: no $shape in MODEL_SHAPES"; continue; fi
       timeout $limit python3 benchmarks/hf_baseline.py --model-shape "$shape" all \
         --num-prompts $prompts >> "$OUT/bench.jsonl" 2>> "$OUT/hf_$shape.log" ;;
+    attn-sweep)
+      timeout 240 python3 benchmarks/attention_kernel.py --sweep --shapes llama3-8b \
+        >> "$OUT/attention.jsonl" 2>> "$OUT/attention.log"
+      timeout 60 python3 benchmarks/attention_kernel.py --shapes qwen3-0.6b \
+        >> "$OUT/attention.jsonl" 2>> "$OUT/attention.log"
+      grep -E '"default": true|sdpa' "$OUT/attention.jsonl" ;;
+    tput-*)
+      shape=${phase#tput-}
+      timeout 150 python3 -m vtllm.cli bench throughput --model-shape "$shape" $BENCH \
+        >> "$OUT/bench.jsonl" 2>> "$OUT/tput_$shape.log"
+      tail -1 "$OUT/bench.jsonl" ;;
     prefill-*)
       shape=${phase#prefill-}
       for threshold in 0 512; do  # the prompt in one step, then in the serve default's chunks

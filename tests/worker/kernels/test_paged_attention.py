@@ -7,6 +7,7 @@ import torch
 
 from vtllm.worker import attention as torch_attention
 from vtllm.worker.kernels.paged_attention import (
+    AttentionTiles,
     choose_num_kv_splits,
     paged_attention,
     paged_attention_ref,
@@ -67,6 +68,31 @@ def test_mixed_batch_matches_reference(
     actual = _attend(batch, paged_attention, scale, window, num_kv_splits=1)
     assert actual.shape == batch.q.shape and actual.dtype == dtype
     assert_close(actual, expected, "single pass")
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        AttentionTiles(block_m=16, tile_n=16, num_warps=4, num_stages=1),
+        AttentionTiles(block_m=128, tile_n=64, num_warps=8, num_stages=3),
+    ],
+    ids=["small", "large"],
+)
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_any_launch_configuration_matches_reference(tiles, num_kv_splits, device, generator):
+    """What a sweep tries: other query/key tiles, each with and without split-KV, over
+    key tiles wholly visible (unmasked), on the diagonal and past a ragged end."""
+    q_lens, context_lens = [1, 1, 37, 1], [150, 3, 90, 64]
+    batch = make_paged_batch(q_lens, context_lens, 8, 2, 64, 16, torch.float32, device, generator)
+    expected = _attend(batch, paged_attention_ref, 0.125, None)
+    actual = _attend(batch, paged_attention, 0.125, None, num_kv_splits=num_kv_splits, tiles=tiles)
+    assert_close(actual, expected, f"{tiles}, {num_kv_splits} splits")
+
+
+def test_refuses_a_query_tile_narrower_than_the_group(device, generator):
+    batch = make_paged_batch([3], [5], 8, 1, 64, 16, torch.float32, device, generator)
+    with pytest.raises(ValueError, match="block_m 4: a power of two >= the group 8"):
+        _attend(batch, paged_attention, 0.125, None, tiles=AttentionTiles(4, 16, 4, 1))
 
 
 @pytest.mark.parametrize("num_kv_splits", [2, 8])

@@ -43,6 +43,7 @@ the query's dtype (exact) and folds the scales into two scalars::
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -55,6 +56,85 @@ _SPLIT_TARGET_PROGRAMS = 256
 # Each split must keep at least this many keys, or the reduce costs more than it saves.
 _MIN_KEYS_PER_SPLIT = 512
 _MAX_KV_SPLITS = 32
+
+
+@triton.jit
+def _attend_tile(
+    acc,  # [BLOCK_M, HEAD_DIM_PAD] fp32, unnormalised output so far
+    m_i,  # [BLOCK_M] fp32 running max (log2 domain)
+    l_i,  # [BLOCK_M] fp32 running sum of exp2(s - m_i)
+    q,  # [BLOCK_M, HEAD_DIM_PAD]
+    q_pos,  # [BLOCK_M] absolute positions
+    row_valid,  # [BLOCK_M]
+    tile_start,
+    kv_end,
+    qk_scale,
+    block_table_row,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_head_id,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the tile is visible to every row
+):
+    """One key tile of online softmax: returns the updated (acc, m_i, l_i)."""
+    offs_n = tile_start + tl.arange(0, TILE_N)  # [TILE_N] key positions
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    if MASKED:
+        n_valid = offs_n < kv_end
+        block_id = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
+    else:
+        block_id = tl.load(block_table_row + offs_n // BLOCK_SIZE)
+    block_id = block_id.to(tl.int64)
+    slot_in_block = offs_n % BLOCK_SIZE
+    if MASKED:
+        k_mask = d_mask[:, None] & n_valid[None, :]
+        v_mask = n_valid[:, None] & d_mask[None, :]
+    else:
+        k_mask = d_mask[:, None]
+        v_mask = d_mask[None, :]
+    k = tl.load(
+        k_cache_ptr
+        + block_id[None, :] * stride_k_block
+        + slot_in_block[None, :] * stride_k_slot
+        + kv_head_id * stride_k_head
+        + offs_d[:, None],
+        mask=k_mask,
+        other=0.0,
+    )  # [HEAD_DIM_PAD, TILE_N]
+    s = tl.dot(q, k.to(q.dtype), input_precision="ieee") * qk_scale  # [BLOCK_M, TILE_N]
+    if MASKED:
+        visible = row_valid[:, None] & n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+    # rows that have seen no key yet keep -inf; subtract 0 there to avoid inf - inf
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, TILE_N]
+    alpha = tl.math.exp2(m_i - m_safe)  # [BLOCK_M]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_cache_ptr
+        + block_id[:, None] * stride_v_block
+        + slot_in_block[:, None] * stride_v_slot
+        + kv_head_id * stride_v_head
+        + offs_d[None, :],
+        mask=v_mask,
+        other=0.0,
+    )  # [TILE_N, HEAD_DIM_PAD]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -156,43 +236,29 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq_id.to(tl.int64) * stride_bt_seq
-    for tile_start in range(kv_start, kv_end, TILE_N):
-        offs_n = tile_start + tl.arange(0, TILE_N)  # [TILE_N] key positions
-        n_valid = offs_n < kv_end
-        block_id = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
-        block_id = block_id.to(tl.int64)
-        slot_in_block = offs_n % BLOCK_SIZE
-        k = tl.load(
-            k_cache_ptr
-            + block_id[None, :] * stride_k_block
-            + slot_in_block[None, :] * stride_k_slot
-            + kv_head_id * stride_k_head
-            + offs_d[:, None],
-            mask=d_mask[:, None] & n_valid[None, :],
-            other=0.0,
-        )  # [HEAD_DIM_PAD, TILE_N]
-        s = tl.dot(q, k.to(q.dtype), input_precision="ieee") * qk_scale  # [BLOCK_M, TILE_N]
-        visible = row_valid[:, None] & n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        if SLIDING_WINDOW > 0:
-            visible = visible & (offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-        # rows that have seen no key yet keep -inf; subtract 0 there to avoid inf - inf
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, TILE_N]
-        alpha = tl.math.exp2(m_i - m_safe)  # [BLOCK_M]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr
-            + block_id[:, None] * stride_v_block
-            + slot_in_block[:, None] * stride_v_slot
-            + kv_head_id * stride_v_head
-            + offs_d[None, :],
-            mask=n_valid[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # [TILE_N, HEAD_DIM_PAD]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
-        m_i = m_new
+    # Key tiles that end at or before the block's first query position are visible to
+    # every row: no mask there, only on the tiles after (the diagonal, the ragged end).
+    full_end = kv_start
+    if SLIDING_WINDOW == 0:
+        first_q_pos = context_len + q_block_local * BLOCK_Q
+        visible_to_all = tl.minimum(first_q_pos + 1, kv_end) - kv_start
+        full_end = kv_start + tl.maximum(visible_to_all, 0) // TILE_N * TILE_N
+    for tile_start in range(kv_start, full_end, TILE_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, row_valid, tile_start, kv_end, qk_scale,
+            block_table_row, k_cache_ptr, v_cache_ptr, kv_head_id,
+            stride_k_block, stride_k_slot, stride_k_head,
+            stride_v_block, stride_v_slot, stride_v_head,
+            HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, False,
+        )  # fmt: skip
+    for tile_start in range(full_end, kv_end, TILE_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, row_valid, tile_start, kv_end, qk_scale,
+            block_table_row, k_cache_ptr, v_cache_ptr, kv_head_id,
+            stride_k_block, stride_k_slot, stride_k_head,
+            stride_v_block, stride_v_slot, stride_v_head,
+            HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, True,
+        )  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
 
@@ -257,6 +323,27 @@ def _paged_attention_reduce_kernel(
     )
 
 
+@dataclass(frozen=True)
+class AttentionTiles:
+    """One launch configuration: ``block_m`` (token, head) rows a program (a power of two,
+    at least the GQA group), ``tile_n`` keys an iteration, warps and pipeline stages."""
+
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_tiles(decode_only: bool, group_size: int, head_dim_pad: int) -> AttentionTiles:
+    """The launcher's default tiles. Decode-only batches need few query rows per program
+    and wide key tiles; prefill wants taller query tiles. Picked by a sweep on an H200
+    (bf16, head_dim 128): prefill 64x32 with 4 warps and 2 stages ran 2x faster than
+    64x64 with 8 warps."""
+    block_m = max(16 if decode_only else 64, triton.next_power_of_2(group_size))
+    tile_n = 64 if decode_only and head_dim_pad <= 128 else 32
+    return AttentionTiles(block_m, tile_n, 4 if head_dim_pad <= 128 else 8, 2)
+
+
 def choose_num_kv_splits(
     num_tokens: int, num_seqs: int, num_kv_heads: int, max_seq_len: int | None
 ) -> int:
@@ -293,6 +380,7 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     k_scale: torch.Tensor | None = None,  # [] fp32, FP8 caches only
     v_scale: torch.Tensor | None = None,  # [] fp32, FP8 caches only
+    tiles: AttentionTiles | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged keys and values.
 
@@ -307,7 +395,8 @@ def paged_attention(
     launcher pick the split-KV path for long decodes; ``num_kv_splits`` forces it
     (a power of two > 1) or forces the single pass (1). An FP8 cache needs ``k_scale``
     and ``v_scale`` (device scalars: keys are ``float(k_cache) * k_scale``); other caches
-    ignore them. Returns ``out`` ``[num_tokens, num_heads, head_dim]`` in q's dtype.
+    ignore them. ``tiles`` overrides the launch configuration (``choose_tiles``; for
+    sweeps). Returns ``out`` ``[num_tokens, num_heads, head_dim]`` in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -329,13 +418,11 @@ def paged_attention(
 
     group_size = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    # Decode-only batches need few query rows per program and wide key tiles; prefill
-    # wants taller query tiles. Picked by a sweep on an H200 (bf16, head_dim 128):
-    # prefill 64x32 with 4 warps and 2 stages ran 2x faster than 64x64 with 8 warps.
-    decode_only = num_tokens == num_seqs
-    block_m = max(16 if decode_only else 64, triton.next_power_of_2(group_size))
+    tiles = tiles or choose_tiles(num_tokens == num_seqs, group_size, head_dim_pad)
+    if tiles.block_m < group_size or tiles.block_m & (tiles.block_m - 1):
+        raise ValueError(f"block_m {tiles.block_m}: a power of two >= the group {group_size}")
+    block_m, tile_n = tiles.block_m, tiles.tile_n
     block_q = block_m // group_size
-    tile_n = 64 if decode_only and head_dim_pad <= 128 else 32
     num_q_blocks = num_tokens // block_q + num_seqs
     if num_kv_splits > 1:
         partial_out = torch.empty(
@@ -383,8 +470,8 @@ def paged_attention(
         SLIDING_WINDOW=sliding_window or 0,
         NUM_KV_SPLITS=num_kv_splits,
         KV_FP8=kv_fp8,
-        num_warps=4 if head_dim_pad <= 128 else 8,
-        num_stages=2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     if num_kv_splits > 1:
         _paged_attention_reduce_kernel[(num_tokens, num_heads)](

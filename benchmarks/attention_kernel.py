@@ -1,0 +1,176 @@
+"""The paged-attention kernel alone on a GPU, over launch configurations.
+
+Two workloads per model shape (bf16, block size 16, blocks in random order):
+
+* ``prefill``: one sequence's whole ``--prefill-len`` prompt (issue 13's 8k row), read
+  as TFLOP/s of causal attention (4 x heads x head_dim FLOP a query-key pair), beside
+  torch's ``scaled_dot_product_attention`` (flash, contiguous K/V) on the same tensors
+  as a same-run ceiling;
+* ``decode``: ``--batch`` sequences of ``--context`` keys each, one query each, read as
+  GB/s of K and V streamed.
+
+    python3 benchmarks/attention_kernel.py [--sweep] [--shapes llama3-8b qwen3-0.6b]
+
+Without ``--sweep`` only the launcher's default tiles run. Prints one JSON line a
+(workload, configuration); the default configuration carries ``"default": true``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vtllm.bench import MODEL_SHAPES  # noqa: E402
+from vtllm.worker.kernels._triton import triton  # noqa: E402
+from vtllm.worker.kernels.paged_attention import (  # noqa: E402
+    AttentionTiles,
+    choose_tiles,
+    paged_attention,
+)
+from vtllm.worker.platform import detect_platform  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def _paged(seq_lens: list[int], q_lens: list[int], heads: int, kv_heads: int, head_dim: int):
+    """(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) on the GPU, bf16,
+    each sequence's blocks scattered over the cache."""
+    device = torch.device("cuda")
+    blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks)
+    order = torch.randperm(num_blocks, device=device).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=device)
+    start = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = order[start : start + n]
+        start += n
+    shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+    k_cache = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    v_cache = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    q = torch.randn(sum(q_lens), heads, head_dim, dtype=torch.bfloat16, device=device)
+    loc = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, loc, lens, table
+
+
+def _time_ms(fn, repeats: int = 10) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` timed calls (CUDA events)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _configs(default: AttentionTiles, group: int, decode: bool, sweep: bool):
+    if not sweep:
+        return [default]
+    rows = [16] if decode else [64, 128]
+    stage_counts = [2, 3, 4] if decode else [2, 3]
+    found = [default]
+    grid = itertools.product(rows, [32, 64, 128], [4, 8], stage_counts)
+    for block_m, tile_n, warps, stages in grid:
+        tiles = AttentionTiles(max(block_m, triton.next_power_of_2(group)), tile_n, warps, stages)
+        if tiles not in found:
+            found.append(tiles)
+    return found
+
+
+def bench_prefill(shape: str, hf: dict, length: int, sweep: bool) -> None:
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    q, k_cache, v_cache, loc, lens, table = _paged([length], [length], heads, kv_heads, head_dim)
+    scale = head_dim**-0.5
+    flop = 4 * heads * head_dim * length * (length + 1) // 2
+    common = {"kind": "prefill", "model": shape, "tokens": length}
+    # the same keys contiguous, for torch's flash attention
+    order = table[0, : -(-length // BLOCK_SIZE)].long()
+    k = k_cache[order].reshape(-1, kv_heads, head_dim)[:length].transpose(0, 1)[None]
+    v = v_cache[order].reshape(-1, kv_heads, head_dim)[:length].transpose(0, 1)[None]
+    q4 = q.transpose(0, 1)[None]  # [1, heads, tokens, head_dim]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    try:
+        ms = _time_ms(lambda: sdpa(q4, k, v, is_causal=True, scale=scale, enable_gqa=True))
+        print(json.dumps({**common, "config": "torch sdpa", "ms": round(ms, 3),
+                          "tflop_s": round(flop / ms / 1e9, 1)}), flush=True)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - a ceiling, not the subject
+        print(json.dumps({**common, "config": "torch sdpa", "error": str(e)[:200]}), flush=True)
+    default = choose_tiles(False, heads // kv_heads, max(16, triton.next_power_of_2(head_dim)))
+    for tiles in _configs(default, heads // kv_heads, False, sweep):
+        out = torch.empty_like(q)
+
+        def run(tiles=tiles, out=out):
+            paged_attention(q, k_cache, v_cache, loc, lens, table, scale, max_seq_len=length,
+                            num_kv_splits=1, out=out, tiles=tiles)  # fmt: skip
+
+        _report(common, tiles, tiles == default, run, flop=flop)
+
+
+def bench_decode(shape: str, hf: dict, batch: int, context: int, sweep: bool) -> None:
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    q, k_cache, v_cache, loc, lens, table = _paged(
+        [context] * batch, [1] * batch, heads, kv_heads, head_dim
+    )
+    scale = head_dim**-0.5
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
+    common = {"kind": "decode", "model": shape, "batch": batch, "context": context}
+    default = choose_tiles(True, heads // kv_heads, max(16, triton.next_power_of_2(head_dim)))
+    for tiles in _configs(default, heads // kv_heads, True, sweep):
+        out = torch.empty_like(q)
+
+        def run(tiles=tiles, out=out):
+            paged_attention(q, k_cache, v_cache, loc, lens, table, scale, max_seq_len=context,
+                            out=out, tiles=tiles)  # fmt: skip
+
+        _report(common, tiles, tiles == default, run, kv_bytes=kv_bytes)
+
+
+def _report(common: dict, tiles: AttentionTiles, is_default: bool, run, **work) -> None:
+    config = f"{tiles.block_m}x{tiles.tile_n} w{tiles.num_warps} s{tiles.num_stages}"
+    row = {**common, "config": config, "default": is_default}
+    try:
+        ms = _time_ms(run)
+    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+        print(json.dumps({**row, "error": f"{type(e).__name__}: {str(e)[:150]}"}), flush=True)
+        return
+    row["ms"] = round(ms, 4)
+    if "flop" in work:
+        row["tflop_s"] = round(work["flop"] / ms / 1e9, 1)
+    else:
+        row["gb_s"] = round(work["kv_bytes"] / ms / 1e6, 1)
+    print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["llama3-8b", "qwen3-0.6b"])
+    parser.add_argument("--prefill-len", type=int, default=8000)
+    parser.add_argument("--decode", nargs="+", default=["256x1024", "64x4096", "1x8192"],
+                        help="BATCHxCONTEXT decode workloads")  # fmt: skip
+    parser.add_argument("--sweep", action="store_true", help="every launch configuration")
+    args = parser.parse_args()
+    detect_platform(0).set_device()
+    for shape in args.shapes:
+        hf = MODEL_SHAPES[shape]
+        bench_prefill(shape, hf, args.prefill_len, args.sweep)
+        for workload in args.decode:
+            batch, context = (int(x) for x in workload.split("x"))
+            bench_decode(shape, hf, batch, context, args.sweep)
+
+
+if __name__ == "__main__":
+    main()
