@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vtllm.bench import MODEL_SHAPES  # noqa: E402
-from vtllm.worker.kernels._triton import triton  # noqa: E402
+from vtllm.worker.kernels._triton import max_shared_memory, triton  # noqa: E402
 from vtllm.worker.kernels.paged_attention import (  # noqa: E402
     AttentionTiles,
     choose_tiles,
@@ -75,6 +75,13 @@ def _time_ms(fn, repeats: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _default_tiles(decode: bool, group: int, head_dim: int) -> AttentionTiles:
+    """What the launcher picks for bf16 queries on this GPU."""
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    smem = max_shared_memory(torch.device("cuda"))
+    return choose_tiles(decode, group, head_dim_pad, 2, smem)
+
+
 def _configs(default: AttentionTiles, group: int, decode: bool, sweep: bool):
     if not sweep:
         return [default]
@@ -108,7 +115,7 @@ def bench_prefill(shape: str, hf: dict, length: int, sweep: bool) -> None:
                           "tflop_s": round(flop / ms / 1e9, 1)}), flush=True)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - a ceiling, not the subject
         print(json.dumps({**common, "config": "torch sdpa", "error": str(e)[:200]}), flush=True)
-    default = choose_tiles(False, heads // kv_heads, max(16, triton.next_power_of_2(head_dim)))
+    default = _default_tiles(False, heads // kv_heads, head_dim)
     for tiles in _configs(default, heads // kv_heads, False, sweep):
         out = torch.empty_like(q)
 
@@ -128,7 +135,7 @@ def bench_decode(shape: str, hf: dict, batch: int, context: int, sweep: bool) ->
     scale = head_dim**-0.5
     kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
     common = {"kind": "decode", "model": shape, "batch": batch, "context": context}
-    default = choose_tiles(True, heads // kv_heads, max(16, triton.next_power_of_2(head_dim)))
+    default = _default_tiles(True, heads // kv_heads, head_dim)
     for tiles in _configs(default, heads // kv_heads, True, sweep):
         out = torch.empty_like(q)
 

@@ -25,6 +25,7 @@
 #   prefill-SHAPE `vtllm bench prefill`: one 8,000-token prompt, seconds and TFLOP/s against a
 #                 matmul of the model's widest linear at 8,000 rows in the same run; in one
 #                 step (--long-prefill-token-threshold 0), then in the default's 512-token chunks
+#   attn          benchmarks/attention_kernel.py, the default tiles only (both shapes)
 #   attn-sweep    benchmarks/attention_kernel.py: the paged-attention kernel's launch
 #                 configurations on the Llama-3-8B shape (8k prefill vs torch SDPA, decodes)
 #   tput-SHAPE    `vtllm bench throughput` alone (256 prompts [100, 1024]), default flags
@@ -116,6 +117,9 @@ for phase in "$@"; do
       if ! has_shape "$shape"; then echo "skip $phase: no $shape in MODEL_SHAPES"; continue; fi
       timeout $limit python3 benchmarks/hf_baseline.py --model-shape "$shape" all \
         --num-prompts $prompts >> "$OUT/bench.jsonl" 2>> "$OUT/hf_$shape.log" ;;
+    attn)
+      timeout 90 python3 benchmarks/attention_kernel.py >> "$OUT/attention.jsonl" 2>> "$OUT/attention.log"
+      grep -E '"default": true|sdpa' "$OUT/attention.jsonl" ;;
     attn-sweep)
       timeout 240 python3 benchmarks/attention_kernel.py --sweep --shapes llama3-8b \
         >> "$OUT/attention.jsonl" 2>> "$OUT/attention.log"

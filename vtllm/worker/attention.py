@@ -34,6 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from vtllm.worker.block_table import slot_mapping_of, token_layout
+from vtllm.worker.first_chunk_attention import (
+    attend_first_chunks,
+    default_min_tokens,
+    trailing_first_chunks,
+)
 from vtllm.worker.kv_cache_dtype import is_fp8
 
 
@@ -113,6 +118,10 @@ class KernelInputs:
     block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int32
     max_seq_len: int | None  # host-side hint for the split-KV heuristic
     num_kv_splits: int | None = None  # forced split count (graphs fix it at capture)
+    # a trailing run of long first chunks for flash attention (first_chunk_attention.py):
+    # its first request, and per request (request, first token, end token)
+    first_chunks_from: int | None = None
+    first_chunks: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass
@@ -136,6 +145,7 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     backend: str = "torch",
+    first_chunk_min_tokens: int | None | str = "auto",
 ) -> AttentionMetadata:
     """Metadata for requests whose tokens are laid out back to back in step order, from
     plain lists (tests, the start-up dummy run; steps use ``attention_metadata`` on the
@@ -156,7 +166,15 @@ def build_attention_metadata(
     query_start_loc, token_reqs, positions = token_layout(query_lens_np, seq_lens_np)
     slots = slot_mapping_of(tables, token_reqs, positions, block_size)
     return attention_metadata(
-        query_lens_np, seq_lens_np, query_start_loc, tables, slots, block_size, device, backend
+        query_lens_np,
+        seq_lens_np,
+        query_start_loc,
+        tables,
+        slots,
+        block_size,
+        device,
+        backend,
+        first_chunk_min_tokens,
     )
 
 
@@ -169,23 +187,30 @@ def attention_metadata(
     block_size: int,
     device: torch.device,
     backend: str = "torch",
+    first_chunk_min_tokens: int | None | str = "auto",
 ) -> AttentionMetadata:
     """The metadata of a step from its host arrays (``StepBatch`` holds them), with no
     loop over requests: numpy gathers, then one host→device copy per tensor.
 
     Entries of ``block_tables`` past the blocks a request needs may hold any valid block
     id (0 or blocks allocated ahead): nothing reads keys past a request's ``seq_len``.
+    ``first_chunk_min_tokens`` (triton backend): the shortest first chunk a trailing run
+    sends to flash attention ("auto": ``first_chunk_attention.default_min_tokens``; None:
+    none).
     """
     # non_blocking, as the kernel inputs below: a blocking copy would wait for the device
     # to finish the step before (async scheduling queues this one behind it)
     slots = torch.from_numpy(slot_mapping).to(device, non_blocking=True)
     if backend == "triton":
-        return AttentionMetadata(
-            slots,
-            [],
-            backend,
-            _kernel_inputs(query_start_loc, seq_lens, block_tables, device),
+        inputs = _kernel_inputs(query_start_loc, seq_lens, block_tables, device)
+        if first_chunk_min_tokens == "auto":
+            first_chunk_min_tokens = default_min_tokens(device)
+        start, segments = trailing_first_chunks(
+            query_lens, seq_lens, query_start_loc, first_chunk_min_tokens
         )
+        if segments:
+            inputs.first_chunks_from, inputs.first_chunks = start, segments
+        return AttentionMetadata(slots, [], backend, inputs)
     is_decode = query_lens == 1
     groups = [
         _build_group(
@@ -371,6 +396,31 @@ def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
     return gathered.view(num_reqs, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
+def _attend_with_first_chunks(
+    kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, inputs, scale: float
+) -> torch.Tensor:
+    """The paged kernel on the requests before the trailing run of long first chunks (a
+    prefix of its inputs, their tokens only), flash attention on each of the run."""
+    out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+    start = inputs.first_chunks_from
+    if start:
+        num_tokens = inputs.first_chunks[0][1]  # the run's first token: the prefix's end
+        kernel(
+            q[:num_tokens],
+            k_cache,
+            v_cache,
+            inputs.query_start_loc[: start + 1],
+            inputs.seq_lens[:start],
+            inputs.block_tables[:start],
+            scale,
+            None,
+            max_seq_len=None,  # the run's long prompts would skew the split heuristic
+            out=out[:num_tokens],
+        )
+    attend_first_chunks(q, k_cache, v_cache, inputs.block_tables, inputs.first_chunks, scale, out)
+    return out
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -391,6 +441,8 @@ def paged_attention(
         inputs = metadata.kernel_inputs
         assert inputs is not None
         kernel = kernels.paged_attention if q.is_cuda else kernels.paged_attention_ref
+        if inputs.first_chunks and sliding_window is None and not is_fp8(k_cache.dtype):
+            return _attend_with_first_chunks(kernel, q, k_cache, v_cache, inputs, scale)
         return kernel(
             q,
             k_cache,

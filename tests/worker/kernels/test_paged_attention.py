@@ -9,6 +9,7 @@ from vtllm.worker import attention as torch_attention
 from vtllm.worker.kernels.paged_attention import (
     AttentionTiles,
     choose_num_kv_splits,
+    choose_tiles,
     paged_attention,
     paged_attention_ref,
 )
@@ -87,6 +88,18 @@ def test_any_launch_configuration_matches_reference(tiles, num_kv_splits, device
     expected = _attend(batch, paged_attention_ref, 0.125, None)
     actual = _attend(batch, paged_attention, 0.125, None, num_kv_splits=num_kv_splits, tiles=tiles)
     assert_close(actual, expected, f"{tiles}, {num_kv_splits} splits")
+
+
+def test_default_tiles_follow_the_sweep_only_where_they_fit():
+    hopper = 227 * 1024
+    assert choose_tiles(True, 4, 128, 2, hopper) == AttentionTiles(16, 128, 4, 2)
+    assert choose_tiles(False, 4, 128, 2, hopper) == AttentionTiles(128, 64, 8, 3)
+    # fp32 queries, a 256-wide head, MI300's 64 KiB LDS: the first sweep's tiles
+    assert choose_tiles(False, 4, 128, 4, hopper) == AttentionTiles(64, 32, 4, 2)
+    assert choose_tiles(True, 2, 256, 2, hopper) == AttentionTiles(16, 32, 8, 2)
+    assert choose_tiles(True, 4, 128, 2, 64 * 1024) == AttentionTiles(16, 64, 4, 2)
+    # a group wider than the tile widens the rows
+    assert choose_tiles(True, 32, 128, 2, hopper).block_m == 32
 
 
 def test_refuses_a_query_tile_narrower_than_the_group(device, generator):

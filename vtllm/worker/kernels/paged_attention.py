@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vtllm.worker.kernels._triton import tl, triton
+from vtllm.worker.kernels._triton import max_shared_memory, tl, triton
 from vtllm.worker.kv_cache_dtype import dequantize_fp8_ref, is_fp8
 
 # A decode-only batch with fewer (sequence, KV head) programs than this is split over
@@ -334,12 +334,28 @@ class AttentionTiles:
     num_stages: int
 
 
-def choose_tiles(decode_only: bool, group_size: int, head_dim_pad: int) -> AttentionTiles:
-    """The launcher's default tiles. Decode-only batches need few query rows per program
-    and wide key tiles; prefill wants taller query tiles. Picked by a sweep on an H200
-    (bf16, head_dim 128): prefill 64x32 with 4 warps and 2 stages ran 2x faster than
-    64x64 with 8 warps."""
+def choose_tiles(
+    decode_only: bool,
+    group_size: int,
+    head_dim_pad: int,
+    element_size: int = 2,
+    shared_memory: int = 1 << 40,
+) -> AttentionTiles:
+    """The launcher's default tiles for queries of ``element_size`` bytes on a device
+    with ``shared_memory`` bytes a program. Decode-only batches need few query rows per
+    program and wide key tiles; prefill wants taller query tiles.
+
+    16-bit queries, head_dim <= 128, at least 192 KiB (Hopper-class), from an H200 sweep
+    (``benchmarks/attention_kernel.py --sweep``, Llama-3-8B heads): decode 16x128 (3.40 /
+    3.63 TB/s at 256 x 1k / 64 x 4k keys, against 3.25 / 2.52 for 16x64), prefill 128x64,
+    8 warps, 3 stages (8k tokens: 1.64 ms a layer against 2.19 for 64x32). Elsewhere (fp32,
+    wider heads, ROCm's 64 KiB LDS) the tiles of the first sweep: decode 16x64, prefill
+    64x32, 4 warps (8 for wider heads), 2 stages."""
     block_m = max(16 if decode_only else 64, triton.next_power_of_2(group_size))
+    if element_size == 2 and head_dim_pad <= 128 and shared_memory >= 192 * 1024:
+        if decode_only:
+            return AttentionTiles(block_m, 128, 4, 2)
+        return AttentionTiles(max(128, block_m), 64, 8, 3)
     tile_n = 64 if decode_only and head_dim_pad <= 128 else 32
     return AttentionTiles(block_m, tile_n, 4 if head_dim_pad <= 128 else 8, 2)
 
@@ -418,7 +434,13 @@ def paged_attention(
 
     group_size = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    tiles = tiles or choose_tiles(num_tokens == num_seqs, group_size, head_dim_pad)
+    tiles = tiles or choose_tiles(
+        num_tokens == num_seqs,
+        group_size,
+        head_dim_pad,
+        q.element_size(),
+        max_shared_memory(q.device),
+    )
     if tiles.block_m < group_size or tiles.block_m & (tiles.block_m - 1):
         raise ValueError(f"block_m {tiles.block_m}: a power of two >= the group {group_size}")
     block_m, tile_n = tiles.block_m, tiles.tile_n
