@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vtllm.worker.platform import PlatformKind, platform_of
+
 # Shorter first chunks stay in the paged kernel: below this the gather and the extra
 # launches cost about what flash attention saves.
 FIRST_CHUNK_SDPA_MIN_TOKENS = 1024
@@ -31,7 +33,7 @@ def default_min_tokens(device: torch.device) -> int | None:
     """``FIRST_CHUNK_SDPA_MIN_TOKENS`` on CUDA; None (never) elsewhere: ROCm's SDPA may
     serve grouped-query attention by its math fallback, and CPU steps use the torch
     backend's own grouping."""
-    if device.type == "cuda" and torch.version.hip is None:
+    if platform_of(device).kind is PlatformKind.CUDA:
         return FIRST_CHUNK_SDPA_MIN_TOKENS
     return None
 
