@@ -343,19 +343,21 @@ def choose_tiles(
 ) -> AttentionTiles:
     """The launcher's default tiles for queries of ``element_size`` bytes on a device
     with ``shared_memory`` bytes a program. Decode-only batches need few query rows per
-    program and wide key tiles; prefill wants taller query tiles.
+    program and wide key tiles; steps with prefill rows take 64-row query tiles.
 
-    16-bit queries, head_dim <= 128, at least 192 KiB (Hopper-class), from an H200 sweep
-    (``benchmarks/attention_kernel.py --sweep``, Llama-3-8B heads): decode 16x128 (3.40 /
-    3.63 TB/s at 256 x 1k / 64 x 4k keys, against 3.25 / 2.52 for 16x64), prefill 128x64,
-    8 warps, 3 stages (8k tokens: 1.64 ms a layer against 2.19 for 64x32). Elsewhere (fp32,
-    wider heads, ROCm's 64 KiB LDS) the tiles of the first sweep: decode 16x64, prefill
-    64x32, 4 warps (8 for wider heads), 2 stages."""
+    Decode, 16-bit queries, head_dim <= 128, at least 192 KiB (Hopper-class), from an
+    H200 sweep (``benchmarks/attention_kernel.py --sweep``, Llama-3-8B heads): 16x128
+    (3.40 / 3.63 TB/s at 256 x 1k / 64 x 4k keys, against 3.25 / 2.52 for 16x64).
+    Elsewhere, and for every step with prefill rows: the first sweep's tiles, decode 16x64,
+    prefill 64x32, 4 warps (8 for wider heads), 2 stages. The sweep's best 8k-token
+    prefill tile (128x64, 8 warps, 3 stages: 1.64 against 2.19 ms a layer) is not the
+    default: in mixed steps every decode row pays a 128-row program, and at 8 KV heads a
+    512-token chunk fills only 128 programs (H200, Qwen3-0.6B shape, 256 prompts: 10,596
+    output tok/s with it against 18,488 without); long first chunks go to flash attention
+    (``first_chunk_attention``) instead."""
     block_m = max(16 if decode_only else 64, triton.next_power_of_2(group_size))
-    if element_size == 2 and head_dim_pad <= 128 and shared_memory >= 192 * 1024:
-        if decode_only:
-            return AttentionTiles(block_m, 128, 4, 2)
-        return AttentionTiles(max(128, block_m), 64, 8, 3)
+    if decode_only and element_size == 2 and head_dim_pad <= 128 and shared_memory >= 192 * 1024:
+        return AttentionTiles(block_m, 128, 4, 2)
     tile_n = 64 if decode_only and head_dim_pad <= 128 else 32
     return AttentionTiles(block_m, tile_n, 4 if head_dim_pad <= 128 else 8, 2)
 
