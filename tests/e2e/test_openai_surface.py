@@ -84,7 +84,10 @@ def test_completion_prompts_as_strings_and_token_ids(client, model):
         json={"prompt": "The sky is"},
     ).json()["tokens"]
     by_ids = client.completions.create(model=model, prompt=tokens, max_tokens=4, temperature=0)
-    assert by_ids.choices[0].text == reply.choices[1].text
+    # the same prompt as a string, alone like the ids (int4 CPU decode is not
+    # batch-invariant: one row and two rows may take different kernel paths)
+    alone = client.completions.create(model=model, prompt="The sky is", max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == alone.choices[0].text
 
 
 def test_echo_and_logprobs_shapes(client, model):

@@ -166,3 +166,37 @@ def test_embedded_model_answers_the_readme_question_from_int4_as_from_float32(sm
     int4 = generate("int4")
     assert int4 == generate("none")
     assert tokenizer.decode(int4).startswith("The capital of France is Paris")
+
+
+def test_prompt_steps_read_the_dense_weights_however_few_rows(tmp_path):
+    """A 5-token prompt (fewer rows than MAX_QUANTIZED_ROWS) through an int4 runner's
+    steps: the prompt's step, and so its first token, is the unquantised model's to the
+    last bit (a prefix-cache hit leaves as few as one prompt token to compute); the decode
+    step after it reads the int4 weights."""
+    from vtllm.protocol.messages import SamplingParams
+
+    from .tiny_models import EngineSim
+
+    make_hf_model("llama_tied", tmp_path)
+
+    def logprobs(quantization: str) -> list[float]:
+        runner = ModelRunner.from_model_dir(
+            tmp_path, torch.device("cpu"), torch.float32, seed=0, cpu_quantization=quantization
+        )
+        runner.init_kv_cache(num_blocks=8, block_size=4)
+        engine = EngineSim(runner.execute, num_blocks=8, block_size=4)
+        engine.add("r", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, logprobs=0))
+        first = engine.step({"r": 5}).logprobs
+        # the decode of the token just sampled, then a cached prompt's last token alone
+        second = engine.step({"r": 1}).logprobs
+        engine.add("hit", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, logprobs=0))
+        hit_request = engine.requests["hit"]  # as after a prefix-cache hit: r's first block
+        hit_request.block_ids = engine.requests["r"].block_ids[:1]
+        hit_request.num_computed_tokens = 4
+        hit = engine.step({"hit": 1}).logprobs
+        return [*first, *second, *hit]
+
+    dense_first, dense_second, dense_hit = logprobs("none")
+    int4_first, int4_second, int4_hit = logprobs("int4")
+    assert (int4_first, int4_hit) == (dense_first, dense_hit)
+    assert int4_second != dense_second

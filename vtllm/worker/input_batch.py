@@ -79,6 +79,7 @@ class StepBatch:
     block_table: np.ndarray  # [table rows, table width] int32 (0 past each row's blocks)
     sample_rows: list[int]  # indices into request_ids of requests that sample
     logits_indices: np.ndarray  # [num_sampling] flat index of each sampler's last token
+    has_prompt_tokens: bool = False  # some request computes tokens of its prompt
     errors: dict[str, str] = field(default_factory=dict)  # request id → why skipped
     # [k] int64 flat token indices whose input is the previous step's sampled id, and
     # [k] int64 the row of that id among the previous step's samples (async scheduling)
@@ -201,6 +202,7 @@ class RequestStates:
         prev_dst: list[int] = []
         prev_src: list[int] = []
         get_state = self._states.get  # the loop below runs once per request per step
+        has_prompt_tokens = False
         for request_id, num_scheduled in step.num_scheduled_tokens.items():
             state = get_state(request_id)
             if state is None or request_id in errors:
@@ -217,6 +219,8 @@ class RequestStates:
                     f"{num_tokens} tokens are known"
                 )
                 continue
+            if start < state.num_prompt_tokens:
+                has_prompt_tokens = True
             if end >= num_tokens:
                 sample_rows.append(len(request_ids))
             request_ids.append(request_id)
@@ -256,6 +260,7 @@ class RequestStates:
             block_table=self.block_table.table,
             sample_rows=sample_rows,
             logits_indices=last_tokens,
+            has_prompt_tokens=has_prompt_tokens,
             prev_token_dst=np.array(prev_dst, dtype=np.int64),
             prev_token_src=np.array(prev_src, dtype=np.int64),
         ), token_reqs

@@ -36,7 +36,7 @@ from vtllm.worker.distributed import TPGroup
 from vtllm.worker.grammar import GrammarCompilerService, StructuredOutputs
 from vtllm.worker.input_batch import RequestStates, StepBatch
 from vtllm.worker.layers.cpu_quant import QUANTIZATIONS as CPU_QUANTIZATIONS
-from vtllm.worker.layers.cpu_quant import quantize_for_cpu
+from vtllm.worker.layers.cpu_quant import prompt_step, quantize_for_cpu
 from vtllm.worker.layers.fp8 import finish_fp8, prepare_fp8_checkpoint
 from vtllm.worker.loader.hf_config import eos_token_ids as read_eos_token_ids
 from vtllm.worker.loader.hf_config import load_hf_config
@@ -364,7 +364,8 @@ class ModelRunner:
                 return self.model.compute_logits(hidden), hidden
             rows = self._to_device(batch.logits_indices)
             return self.model.compute_logits(hidden.index_select(0, rows)), hidden
-        if self.compiled_decode is not None and batch.num_tokens == batch.num_reqs:
+        prompt = batch.has_prompt_tokens  # quantised CPU layers use their dense weights
+        if self.compiled_decode is not None and batch.num_tokens == batch.num_reqs and not prompt:
             hidden = self._compiled_decode(batch)  # [num_reqs, hidden] or None
             if hidden is not None:
                 if len(batch.sample_rows) == batch.num_reqs:
@@ -384,9 +385,10 @@ class ModelRunner:
         input_ids = self._to_device(batch.input_ids)
         self._feed_previous_tokens(input_ids, batch)
         positions = self._to_device(batch.positions)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
         logits_indices = self._to_device(batch.logits_indices)
-        return self.model.compute_logits(hidden.index_select(0, logits_indices)), hidden
+        with prompt_step(prompt):
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
+            return self.model.compute_logits(hidden.index_select(0, logits_indices)), hidden
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device without waiting for the device: through pinned

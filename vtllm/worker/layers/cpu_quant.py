@@ -16,10 +16,14 @@ the KV cache stay float32). The kernels win only for a few rows at a time: measu
 2-core AMD EPYC (Zen 4), 30 SmolLM2 layers of distinct weights, the int4 kernel takes 4.8 ms
 at 1 row and 14 ms at 8 (bf16 ``F.linear``: 19 and 23 ms, float32: 37 and 56 ms), but 1.9 s
 at 256 rows (bf16: 0.16 s). So each layer keeps its dense ``weight`` as loaded, and a
-product of more than ``MAX_QUANTIZED_ROWS`` rows (a prefill chunk) uses it: a prompt is
-prefilled exactly as without quantisation (its first token is the unquantised model's),
-decode steps read the packed weights. Not batch-invariant: a request recomputed after
-preemption prefills what it had decoded, through the other path.
+product of more than ``MAX_QUANTIZED_ROWS`` rows (a prefill chunk) uses it, and so does
+every product of a step that computes prompt tokens (``prompt_step``, set by the model
+runner): a prompt is prefilled exactly as without quantisation and its first token is the
+unquantised model's, also when the prefix cache leaves one prompt token to compute or the
+prompt is short (before, such a step read the int4 weights, and on an AVX-512 Xeon the
+README's question got "L'Étoile, ..." from a prefix-cache hit). Decode steps read the
+packed weights. Not batch-invariant: a request recomputed after preemption prefills what
+it had decoded, through the other path.
 
 The LM head quantises to int8 in both formats (its logits are the most sensitive).
 A layer whose shape a kernel cannot take (int4: inputs not a multiple of 32 or outputs not a
@@ -34,7 +38,9 @@ model instead (``--dtype bfloat16``) flips that answer's first token, which floa
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +59,25 @@ MAX_QUANTIZED_ROWS = 16  # above: the dense bf16 weight (see the module docstrin
 _KERNEL_DTYPE = torch.bfloat16
 
 
+_in_prompt_step = False  # set by ``prompt_step`` (one model runner per worker process)
+
+
+@contextlib.contextmanager
+def prompt_step(active: bool) -> Iterator[None]:
+    """Inside, when ``active``: every quantised layer multiplies by its dense weight,
+    however few rows (the step computes prompt tokens; see the module docstring)."""
+    global _in_prompt_step
+    previous, _in_prompt_step = _in_prompt_step, active
+    try:
+        yield
+    finally:
+        _in_prompt_step = previous
+
+
+def _dense(x: torch.Tensor) -> bool:
+    return _in_prompt_step or x.shape[0] > MAX_QUANTIZED_ROWS
+
+
 def _rows_as_bf16(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == _KERNEL_DTYPE else x.to(_KERNEL_DTYPE)
 
@@ -61,7 +86,7 @@ class CpuInt8Method(LinearMethod):
     """``layer.qweight [out, in] int8`` times ``layer.qscale [out] bf16`` per output row."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > MAX_QUANTIZED_ROWS:
+        if _dense(x):
             return F.linear(x, layer.weight)  # [num_tokens, out]
         y = torch._weight_int8pack_mm(_rows_as_bf16(x), layer.qweight, layer.qscale)
         return y if y.dtype == x.dtype else y.to(x.dtype)  # [num_tokens, out]
@@ -72,7 +97,7 @@ class CpuInt4Method(LinearMethod):
     ``layer.qscale_zero [in / 32, out, 2] bf16`` (scale, zero) per group of 32 inputs."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > MAX_QUANTIZED_ROWS:
+        if _dense(x):
             return F.linear(x, layer.weight)  # [num_tokens, out]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             _rows_as_bf16(x).contiguous(), layer.qweight, INT4_GROUP_SIZE, layer.qscale_zero
