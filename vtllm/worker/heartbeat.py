@@ -22,6 +22,7 @@ from vtllm.protocol import codec
 from vtllm.protocol import messages as m
 
 HEARTBEAT_INTERVAL_S = 1.0
+ANNOUNCE_TIMEOUT_S = 1.0  # at most this long a phase change waits for its beat to leave
 
 
 class HeartbeatSender(threading.Thread):
@@ -38,6 +39,7 @@ class HeartbeatSender(threading.Thread):
         self._phase_started = time.monotonic()
         self._stopping = False
         self._wake = threading.Event()  # set by stop() and by a phase change
+        self._announced = threading.Event()  # set once a beat has carried the current phase
 
     @property
     def phase(self) -> str:
@@ -45,10 +47,16 @@ class HeartbeatSender(threading.Thread):
 
     @phase.setter
     def phase(self, value: str) -> None:
-        """Enter a new phase; the engine core hears of it at once, not a beat later."""
+        """Enter a new phase; the engine core hears of it at once, not a beat later: a
+        started sender's beat carrying it is queued on its socket when this returns (within
+        ``ANNOUNCE_TIMEOUT_S``), so a process frozen right after (SIGSTOP) is reported in
+        the phase it froze in, not the one before."""
         self._phase_started = time.monotonic()
+        self._announced.clear()
         self._phase = value
         self._wake.set()
+        if self.is_alive():
+            self._announced.wait(ANNOUNCE_TIMEOUT_S)
 
     def run(self) -> None:
         context = zmq.Context.instance()
@@ -59,16 +67,19 @@ class HeartbeatSender(threading.Thread):
         socket.connect(self.engine_address)
         try:
             while not self._stopping:
+                self._wake.clear()
+                phase = self._phase
                 beat = m.WorkerHeartbeat(
                     rank=self.rank,
-                    phase=self._phase,
+                    phase=phase,
                     phase_elapsed_s=round(time.monotonic() - self._phase_started, 3),
                 )
                 # the engine core not reading (zmq.Again) is its own timeout's business
                 with contextlib.suppress(zmq.Again):
                     socket.send(codec.encode(beat), zmq.NOBLOCK)
+                if phase == self._phase:
+                    self._announced.set()
                 self._wake.wait(self.interval_s)
-                self._wake.clear()
         finally:
             socket.close(linger=0)
 
