@@ -11,6 +11,10 @@ import pytest
 # (worker/cpu_compile.py) costs each start-up seconds to a minute. test_cpu_compile.py
 # turns it on where it is under test.
 os.environ.setdefault("VT_CPU_COMPILE", "off")
+# ... and prefill float32 models in float32 whatever the CPU (worker/cpu_precision.py), so
+# that comparisons with transformers keep float32 tolerances on AVX-512 BF16 / AMX CI
+# machines too. test_cpu_precision.py turns it on where it is under test.
+os.environ.setdefault("VT_CPU_BF16_PREFILL", "off")
 
 # `make test` runs the suite in pytest-xdist workers (one a core). Each worker, and every
 # server or worker process its tests start, then gets its share of the cores: N workers each

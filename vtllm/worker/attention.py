@@ -136,6 +136,9 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     backend: str = "torch"
     kernel_inputs: KernelInputs | None = None
+    # torch backend: prefill chunks attended in this dtype (q, k, v cast, the output cast
+    # back; cpu_precision.py); None: the query's
+    chunk_dtype: torch.dtype | None = None
 
 
 def build_attention_metadata(
@@ -146,6 +149,7 @@ def build_attention_metadata(
     device: torch.device,
     backend: str = "torch",
     first_chunk_min_tokens: int | None | str = "auto",
+    chunk_dtype: torch.dtype | None = None,
 ) -> AttentionMetadata:
     """Metadata for requests whose tokens are laid out back to back in step order, from
     plain lists (tests, the start-up dummy run; steps use ``attention_metadata`` on the
@@ -175,6 +179,7 @@ def build_attention_metadata(
         device,
         backend,
         first_chunk_min_tokens,
+        chunk_dtype,
     )
 
 
@@ -188,6 +193,7 @@ def attention_metadata(
     device: torch.device,
     backend: str = "torch",
     first_chunk_min_tokens: int | None | str = "auto",
+    chunk_dtype: torch.dtype | None = None,
 ) -> AttentionMetadata:
     """The metadata of a step from its host arrays (``StepBatch`` holds them), with no
     loop over requests: numpy gathers, then one host→device copy per tensor.
@@ -196,7 +202,8 @@ def attention_metadata(
     id (0 or blocks allocated ahead): nothing reads keys past a request's ``seq_len``.
     ``first_chunk_min_tokens`` (triton backend): the shortest first chunk a trailing run
     sends to flash attention ("auto": ``first_chunk_attention.default_min_tokens``; None:
-    none).
+    none). ``chunk_dtype`` (torch backend): the dtype prefill chunks are attended in
+    (None: the query's).
     """
     # non_blocking, as the kernel inputs below: a blocking copy would wait for the device
     # to finish the step before (async scheduling queues this one behind it)
@@ -225,7 +232,7 @@ def attention_metadata(
         for members in (is_decode, ~is_decode)
         if members.any()
     ]
-    return AttentionMetadata(slots, groups)
+    return AttentionMetadata(slots, groups, chunk_dtype=chunk_dtype)
 
 
 def _kernel_inputs(
@@ -329,7 +336,14 @@ def paged_attention_ref(
         for r in range(g.num_reqs):
             start, q_len = g.token_starts[r], g.query_lens[r]
             out[start : start + q_len] = _attend_chunk(
-                q[start : start + q_len], k_cache, v_cache, g, r, scale, sliding_window
+                q[start : start + q_len],
+                k_cache,
+                v_cache,
+                g,
+                r,
+                scale,
+                sliding_window,
+                metadata.chunk_dtype,
             )
     return out
 
@@ -365,24 +379,27 @@ def _attend_chunk(
     r: int,
     scale: float,
     sliding_window: int | None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Request ``r``'s prefill chunk over exactly its ``seq_len`` keys (gathered from its
-    blocks): causal when the chunk is the whole sequence, else with ``chunk_mask``."""
+    blocks): causal when the chunk is the whole sequence, else with ``chunk_mask``;
+    computed in ``dtype`` (None: the query's), returned in the query's."""
+    dtype = dtype or q.dtype
     seq_len = g.seq_lens[r]
     table = g.block_tables[r, : -(-seq_len // g.block_size)]
     k = _gather_blocks(k_cache, table[None])[:, :, :seq_len]  # [1, KVH, seq_len, D]
     v = _gather_blocks(v_cache, table[None])[:, :, :seq_len]
-    mask = g.chunk_mask(r, sliding_window, q.dtype)  # [q_len, seq_len] or None
+    mask = g.chunk_mask(r, sliding_window, dtype)  # [q_len, seq_len] or None
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],  # [1, H, q_len, D]
-        k.to(q.dtype),
-        v.to(q.dtype),
+        q.transpose(0, 1)[None].to(dtype),  # [1, H, q_len, D]
+        k.to(dtype),
+        v.to(dtype),
         mask,
         is_causal=mask is None,
         scale=scale,
         enable_gqa=True,
     )
-    return o[0].transpose(0, 1)  # [q_len, H, D]
+    return o[0].transpose(0, 1).to(q.dtype)  # [q_len, H, D]
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

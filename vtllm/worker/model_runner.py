@@ -31,6 +31,7 @@ from vtllm.protocol.limits import effective_temperature
 from vtllm.protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from vtllm.worker.attention import attention_metadata, build_attention_metadata
 from vtllm.worker.cpu_compile import CompiledDecode, try_compile
+from vtllm.worker.cpu_precision import bf16_products, choose_bf16_prefill
 from vtllm.worker.decode_graphs import DecodeGraphs, capture_sizes
 from vtllm.worker.distributed import TPGroup
 from vtllm.worker.grammar import GrammarCompilerService, StructuredOutputs
@@ -120,6 +121,8 @@ class ModelRunner:
         self.tokenizer_dir = tokenizer_dir
         self.structured: StructuredOutputs | None = None  # on the driver, at first use
         self.platform = platform_of(device)
+        # prompt steps of a float32 model in bf16 arithmetic (cpu_precision.py)
+        self.bf16_prefill = choose_bf16_prefill(self.platform.is_gpu, dtype)
         # the last step's sampled ids, kept on the device for the next step's inputs
         # (async scheduling), and each sampled request's row in it
         self._last_sampled: torch.Tensor | None = None  # [num_sampled] int64
@@ -381,12 +384,13 @@ class ModelRunner:
             self.block_size,
             self.device,
             self.attention_backend,
+            chunk_dtype=torch.bfloat16 if prompt and self.bf16_prefill else None,
         )
         input_ids = self._to_device(batch.input_ids)
         self._feed_previous_tokens(input_ids, batch)
         positions = self._to_device(batch.positions)
         logits_indices = self._to_device(batch.logits_indices)
-        with prompt_step(prompt):
+        with prompt_step(prompt), bf16_products(prompt and self.bf16_prefill):
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
             return self.model.compute_logits(hidden.index_select(0, logits_indices)), hidden
 
@@ -501,12 +505,14 @@ class ModelRunner:
             self.block_size,
             self.device,
             self.attention_backend,
+            chunk_dtype=torch.bfloat16 if self.bf16_prefill else None,
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
-        rows = hidden[-1:].expand(num_sampling_rows, -1)
-        logits = self.model.compute_logits(rows)
+        with bf16_products(self.bf16_prefill):
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+            rows = hidden[-1:].expand(num_sampling_rows, -1)
+            logits = self.model.compute_logits(rows)
         greedy = SamplingParams(temperature=0.0)
         params = [greedy] * num_sampling_rows
         self.sampler(logits, SamplingBatch.from_params(params, {}, self.vocab_size, self.device))

@@ -155,6 +155,12 @@ def _serve(
         quant.describe() if quant else "not quantised",
     )
     _log_weights_loaded(runner, platform, rank, world_size)
+    if runner.bf16_prefill:
+        logger.info(
+            "prompt steps in bf16 arithmetic (float32 accumulation, VT_CPU_BF16_PREFILL=%s; "
+            "off for float32 throughout)",
+            envs.VT_CPU_BF16_PREFILL,
+        )
     name = config.model.default_served_name(model_dir)
     facts = model_facts(model_dir, hf_config, name, runner.kv_cache_specs(), kv_dtype)
     _log_kv_cache_dtype(config, runner, kv_dtype, facts.kv_bytes_per_token)
