@@ -120,7 +120,7 @@ def main() -> None:
     )
     runner.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
     runner.dummy_run(BLOCK_SIZE)
-    compiled = not args.eager and runner.compile_cpu_decode(max(8, args.batch))
+    compiled = not args.eager and runner.compile_cpu_steps(max(8, args.batch))
     print(
         json.dumps(
             {

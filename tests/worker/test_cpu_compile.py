@@ -1,7 +1,9 @@
-"""The compiled CPU decode step (``worker/cpu_compile.py``) against the eager forward.
+"""The compiled CPU decode step (``worker/cpu_compile.py``) and prompt step
+(``worker/cpu_compile_prompt.py``) against the eager forward.
 
 A tiny Llama: decode steps of changing batch sizes and positions give the eager step's
-greedy tokens and logprobs (within fp32 rounding) and compile nothing after the warm-up.
+greedy tokens and logprobs (within fp32 rounding) and compile nothing after the warm-up;
+so do prompt steps of changing lengths, whole or in chunks over a cached prefix.
 The embedded SmolLM2: the same greedy tokens as eager for the README's question and the
 model-vs-transformers prompts. The choice (VT_CPU_COMPILE auto / on / off,
 --enforce-eager, unsupported models) and the fallback when a compiled step raises.
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from vtllm.protocol.messages import SamplingParams
-from vtllm.worker import cpu_compile
+from vtllm.worker import cpu_compile, cpu_compile_prompt
 from vtllm.worker.layers.cpu_quant import quantize_for_cpu
 from vtllm.worker.model_runner import ModelRunner
 
@@ -31,7 +33,7 @@ def _runner(model_dir, compiled: bool, max_num_seqs: int = 8) -> ModelRunner:
     runner = ModelRunner.from_model_dir(model_dir, torch.device("cpu"), torch.float32, seed=0)
     runner.init_kv_cache(num_blocks=64, block_size=4)
     if compiled:
-        assert runner.compile_cpu_decode(max_num_seqs)
+        assert runner.compile_cpu_steps(max_num_seqs)
     return runner
 
 
@@ -65,7 +67,7 @@ def test_compiled_decode_matches_eager_without_recompiles(tmp_path, compile_on):
     runner = _runner(tmp_path, compiled=True)
     frames = torch._dynamo.utils.counters["frames"]["ok"]
     compiled = _generate(runner, prompts, steps=9)
-    assert runner.compiled_decode is not None
+    assert runner.compiled_decode is not None and runner.compiled_prompt is not None
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "a step recompiled"
     for request_id in prompts:
         assert compiled.requests[request_id].token_ids == eager.requests[request_id].token_ids
@@ -81,6 +83,41 @@ def test_compiled_decode_matches_eager_without_recompiles(tmp_path, compile_on):
             )
 
 
+def _prompt_logprobs(runner: ModelRunner, chunked: dict[str, list[int]]) -> list:
+    """Top log-probabilities after each prompt, prefilled in the given chunk lengths."""
+    engine = EngineSim(runner.execute, num_blocks=64, block_size=4)
+    params = SamplingParams(temperature=0.0, logprobs=TOP_N)
+    tops = []
+    for i, (request_id, chunks) in enumerate(chunked.items()):
+        engine.add(request_id, [(11 * j + i) % 90 + 5 for j in range(sum(chunks))], params)
+        for chunk in chunks:
+            output = engine.step({request_id: chunk})
+        tops.append(output.top_logprobs[0])
+        engine.finish(request_id)
+    return tops
+
+
+def test_compiled_prompt_step_matches_eager_without_recompiles(tmp_path, compile_on):
+    make_hf_model("llama", tmp_path)
+    chunked = {"two": [2], "five": [5], "seventeen": [17], "chunked": [12, 9, 19]}
+    eager = _prompt_logprobs(_runner(tmp_path, compiled=False), chunked)
+
+    torch._dynamo.reset()
+    runner = _runner(tmp_path, compiled=True)
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    compiled = _prompt_logprobs(runner, chunked)
+    assert runner.compiled_prompt is not None
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "a prompt step recompiled"
+    for ours, theirs in zip(compiled, eager, strict=True):
+        assert [t for t, _ in ours] == [t for t, _ in theirs]
+        torch.testing.assert_close(
+            torch.tensor([lp for _, lp in ours]),
+            torch.tensor([lp for _, lp in theirs]),
+            atol=1e-4,
+            rtol=0,
+        )
+
+
 def test_a_failing_compiled_step_falls_back_to_eager(tmp_path, compile_on):
     make_hf_model("llama", tmp_path)
     prompts = {"a": [5, 6, 7], "b": [9, 10, 11, 12]}
@@ -92,8 +129,10 @@ def test_a_failing_compiled_step_falls_back_to_eager(tmp_path, compile_on):
         raise RuntimeError("compiler bug")
 
     runner.compiled_decode._layer = broken  # not compiled at all: the first call raises
+    runner.compiled_prompt = cpu_compile_prompt.CompiledPrompt(runner.model)
+    runner.compiled_prompt._pre = broken
     fallen_back = _generate(runner, prompts, steps=3)
-    assert runner.compiled_decode is None
+    assert runner.compiled_decode is None and runner.compiled_prompt is None
     for request_id in prompts:
         assert fallen_back.requests[request_id].token_ids == eager.requests[request_id].token_ids
 
@@ -113,7 +152,7 @@ def test_opt_outs_and_unsupported_models(tmp_path, monkeypatch, compile_on):
     quantize_for_cpu(model, "int8")
     assert cpu_compile.compile_reason(model, is_gpu=False, enforce_eager=False) is None
     monkeypatch.setenv("VT_CPU_COMPILE", "off")
-    assert not runner.compile_cpu_decode(8)
+    assert not runner.compile_cpu_steps(8)
     assert runner.compiled_decode is None
 
 

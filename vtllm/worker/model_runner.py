@@ -29,8 +29,13 @@ from torch import nn
 from vtllm import envs
 from vtllm.protocol.limits import effective_temperature
 from vtllm.protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
-from vtllm.worker.attention import attention_metadata, build_attention_metadata
+from vtllm.worker.attention import (
+    AttentionMetadata,
+    attention_metadata,
+    build_attention_metadata,
+)
 from vtllm.worker.cpu_compile import CompiledDecode, try_compile
+from vtllm.worker.cpu_compile_prompt import CompiledPrompt, try_compile_prompt
 from vtllm.worker.cpu_precision import bf16_products, choose_bf16_prefill
 from vtllm.worker.decode_graphs import DecodeGraphs, capture_sizes
 from vtllm.worker.distributed import TPGroup
@@ -117,7 +122,8 @@ class ModelRunner:
         self.block_size = 0
         self.attention_backend = attention_backend(device)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
-        self.compiled_decode: CompiledDecode | None = None  # set by compile_cpu_decode
+        self.compiled_decode: CompiledDecode | None = None  # set by compile_cpu_steps
+        self.compiled_prompt: CompiledPrompt | None = None  # set by compile_cpu_steps
         self.tokenizer_dir = tokenizer_dir
         self.structured: StructuredOutputs | None = None  # on the driver, at first use
         self.platform = platform_of(device)
@@ -263,12 +269,13 @@ class ModelRunner:
         self.decode_graphs = graphs
         return graphs
 
-    def compile_cpu_decode(self, max_num_seqs: int, enforce_eager: bool = False) -> bool:
+    def compile_cpu_steps(self, max_num_seqs: int, enforce_eager: bool = False) -> bool:
         """On a CPU, route decode-only steps through the compiled forward of
-        ``cpu_compile.py`` (compiled and warmed up here, its time logged), unless it does
-        not apply or fails (logged; steps stay eager). True when it is in use."""
+        ``cpu_compile.py`` and prompt steps through ``cpu_compile_prompt.py`` (compiled
+        and warmed up here, their times logged), unless they do not apply or fail
+        (logged; those steps stay eager). True when the decode step is compiled."""
         if not self.kv_caches:
-            raise RuntimeError("compile_cpu_decode() needs a KV cache")
+            raise RuntimeError("compile_cpu_steps() needs a KV cache")
         self.compiled_decode = try_compile(
             self.model,
             self.kv_caches,
@@ -277,7 +284,15 @@ class ModelRunner:
             self.device.type != "cpu",
             enforce_eager,
         )
+        if self.compiled_decode is not None:
+            self.compiled_prompt = try_compile_prompt(
+                self.model, self.kv_caches, self.block_size, self._chunk_dtype(True)
+            )
         return self.compiled_decode is not None
+
+    def _chunk_dtype(self, prompt: bool) -> torch.dtype | None:
+        """The dtype prefill chunks are attended in (``cpu_precision.py``)."""
+        return torch.bfloat16 if prompt and self.bf16_prefill else None
 
     # -- steps ----------------------------------------------------------------------
 
@@ -384,14 +399,18 @@ class ModelRunner:
             self.block_size,
             self.device,
             self.attention_backend,
-            chunk_dtype=torch.bfloat16 if prompt and self.bf16_prefill else None,
+            chunk_dtype=self._chunk_dtype(prompt),
         )
         input_ids = self._to_device(batch.input_ids)
         self._feed_previous_tokens(input_ids, batch)
         positions = self._to_device(batch.positions)
         logits_indices = self._to_device(batch.logits_indices)
         with prompt_step(prompt), bf16_products(prompt and self.bf16_prefill):
-            hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
+            hidden = None
+            if prompt and self.compiled_prompt is not None and batch.num_tokens >= 2:
+                hidden = self._compiled_prompt(input_ids, positions, metadata)
+            if hidden is None:
+                hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
             return self.model.compute_logits(hidden.index_select(0, logits_indices)), hidden
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -402,6 +421,19 @@ class ModelRunner:
         if not self.platform.is_gpu:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _compiled_prompt(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """The compiled CPU prompt step's hidden states ``[num_tokens, hidden]``; None after
+        it raised (logged once, eager from then on, as ``_compiled_decode``)."""
+        assert self.compiled_prompt is not None
+        try:
+            return self.compiled_prompt(input_ids, positions, self.kv_caches, metadata)
+        except Exception:
+            logger.exception("the compiled CPU prompt step failed; prefilling eagerly from now on")
+            self.compiled_prompt = None
+            return None
 
     def _compiled_decode(self, batch: StepBatch) -> torch.Tensor | None:
         """The compiled CPU decode step's hidden states ``[num_reqs, hidden]``; None after
@@ -505,7 +537,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             self.attention_backend,
-            chunk_dtype=torch.bfloat16 if self.bf16_prefill else None,
+            chunk_dtype=self._chunk_dtype(True),
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)

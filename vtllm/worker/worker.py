@@ -190,8 +190,8 @@ def _serve(
     runner.dummy_run(min(init.block_size, init.num_blocks * init.block_size))
     _log_phase("warmed up", started)
     if not platform.is_gpu:
-        heartbeat.phase = "compiling the CPU decode step"
-        runner.compile_cpu_decode(config.scheduler.max_num_seqs, config.model.enforce_eager)
+        heartbeat.phase = "compiling the CPU decode and prompt steps"
+        runner.compile_cpu_steps(config.scheduler.max_num_seqs, config.model.enforce_eager)
     if use_graphs:
         heartbeat.phase = "capturing decode graphs"
         max_len = _graph_max_len(config, facts.max_position_embeddings, init)
