@@ -128,7 +128,7 @@ def test_a_failing_compiled_step_falls_back_to_eager(tmp_path, compile_on):
     def broken(*args, **kwargs):
         raise RuntimeError("compiler bug")
 
-    runner.compiled_decode._layer = broken  # not compiled at all: the first call raises
+    runner.compiled_decode._layers = broken  # not compiled at all: the first call raises
     runner.compiled_prompt = cpu_compile_prompt.CompiledPrompt(runner.model)
     runner.compiled_prompt._pre = broken
     fallen_back = _generate(runner, prompts, steps=3)

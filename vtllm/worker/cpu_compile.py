@@ -5,8 +5,11 @@ An eager CPU decode step of a small model is thousands of tiny ops (norms, rotar
 residual adds, views), each a Python call and a dispatcher trip; on two cores they cost
 about as much as the matrix products. Inductor fuses them into a few C++ loops per layer,
 and one compiled call per step replaces ~100 Python-level calls per layer. (A compiled
-region costs ~0.1 ms to enter on this class of CPU, so one region per layer would give
-much of the gain back: the step is one region.)
+region costs ~0.1 ms to enter on this class of CPU: one region per layer cost the
+embedded model ~3 ms a step, a quarter of its batch-1 token, so the step is one region,
+``decode_layers``, Dynamo unrolling the layer loop. Its price is compile time: Inductor
+schedules the unrolled 30-layer graph once per batch class, ~80 s at the first start on two
+cores, ~12 s from its cache after that.)
 
 Attention is an opaque custom op inside the graph (``vtllm::cpu_decode_attention``): it
 writes the step's K/V into the paged cache and attends over each request's blocks, taking
@@ -116,8 +119,8 @@ def decode_layer(
     seq_lens: torch.Tensor,  # [num_reqs] int64
     mask: torch.Tensor,  # [num_reqs, 1, 1, max_blocks * block_size]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``layer.forward`` of a decode-only step: ``(mlp output, residual stream)``.
-    Compiled once, for every layer (their parameters are graph inputs)."""
+    """``layer.forward`` of a decode-only step: ``(mlp output, residual stream)``, traced
+    for each layer inside ``decode_layers``."""
     q, k, v, residual = layer.pre_attention(x, residual, positions, rotary)
     o = torch.ops.vtllm.cpu_decode_attention(
         q,
@@ -132,6 +135,28 @@ def decode_layer(
         layer.self_attn.scale,
     )  # [num_reqs, heads * head_dim]
     return layer.post_attention(o, residual)
+
+
+def decode_layers(
+    layers: torch.nn.ModuleList,  # the model's LlamaDecoderLayers
+    x: torch.Tensor,  # [num_reqs, hidden]: the embedded tokens
+    residual: torch.Tensor,  # [num_reqs, hidden] zeros
+    positions: torch.Tensor,  # [num_reqs]
+    rotary: RotaryEmbedding,
+    kv_caches: list[KVCache],
+    slot_mapping: torch.Tensor,  # [num_reqs] int64
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int64
+    seq_lens: torch.Tensor,  # [num_reqs] int64
+    mask: torch.Tensor,  # [num_reqs, 1, 1, max_blocks * block_size]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's ``decode_layer`` in turn: what is compiled, as one graph (Dynamo
+    unrolls the loop)."""
+    for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+        x, residual = decode_layer(
+            layer, x, residual, positions, rotary, k_cache, v_cache,
+            slot_mapping, block_tables, seq_lens, mask,
+        )  # fmt: skip
+    return x, residual
 
 
 def decode_inputs(
@@ -196,7 +221,7 @@ class CompiledDecode:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.dtype = model.model.norm.weight.dtype
-        self._layer = torch.compile(decode_layer, dynamic=False)  # dims marked per call
+        self._layers = torch.compile(decode_layers, dynamic=False)  # dims marked per call
         self.warmed_up = False
 
     def __call__(
@@ -217,34 +242,31 @@ class CompiledDecode:
         for tensor, dims in ((slots, (0,)), (tables, (0, 1)), (lens, (0,)), (mask, (0, 3))):
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        torch._dynamo.maybe_mark_dynamic(positions, 0)
+        for tensor in (positions, x, residual):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
         # no duck sizing: equal sizes by chance (2 requests, 2 blocks) must not become a
         # guard that the next step breaks. Once warmed up, every graph a step can need
         # exists: evaluate only the guards that tell them apart (the batch size class),
-        # not each layer's ~20 parameter guards (~0.1 ms a call, 30 calls a step).
-        # Sound because a worker serves one model: Dynamo's cache of ``decode_layer`` is
+        # not the ~600 parameter guards of the layers (~0.1 ms a layer).
+        # Sound because a worker serves one model: Dynamo's cache of ``decode_layers`` is
         # per process, so a second warmed-up model of other shapes in the same process
         # could be handed the first one's graphs (tests reset Dynamo between models).
         with (
             torch.fx.experimental._config.patch(use_duck_shape=False),
             torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.warmed_up),
         ):
-            for layer, (k_cache, v_cache) in zip(model.model.layers, self.kv_caches, strict=True):
-                torch._dynamo.maybe_mark_dynamic(x, 0)
-                torch._dynamo.maybe_mark_dynamic(residual, 0)
-                x, residual = self._layer(
-                    layer,
-                    x,
-                    residual,
-                    positions,
-                    model.rotary,
-                    k_cache,
-                    v_cache,
-                    slots,
-                    tables,
-                    lens,
-                    mask,
-                )
+            x, residual = self._layers(
+                model.model.layers,
+                x,
+                residual,
+                positions,
+                model.rotary,
+                self.kv_caches,
+                slots,
+                tables,
+                lens,
+                mask,
+            )
         return model.model.norm(x, residual)[0]  # [num_reqs, hidden]
 
     def warm_up(self, max_num_seqs: int) -> list[int]:
