@@ -58,7 +58,12 @@ def _generate(runner: ModelRunner, prompts: dict[str, list[int]], steps: int) ->
     return engine
 
 
-def test_compiled_decode_matches_eager_without_recompiles(tmp_path, compile_on):
+@pytest.mark.parametrize("max_layers_per_region", [8, 1], ids=["one region", "two regions"])
+def test_compiled_decode_matches_eager_without_recompiles(
+    tmp_path, compile_on, monkeypatch, max_layers_per_region
+):
+    """Two regions of one layer each share one graph per batch class, as one of two."""
+    monkeypatch.setattr(cpu_compile, "MAX_LAYERS_PER_REGION", max_layers_per_region)
     make_hf_model("llama", tmp_path)
     prompts = {"a": [5, 6, 7], "b": [9, 10, 11, 12, 13, 14], "c": [3] * 11}
     eager = _generate(_runner(tmp_path, compiled=False), prompts, steps=9)
@@ -68,6 +73,7 @@ def test_compiled_decode_matches_eager_without_recompiles(tmp_path, compile_on):
     frames = torch._dynamo.utils.counters["frames"]["ok"]
     compiled = _generate(runner, prompts, steps=9)
     assert runner.compiled_decode is not None and runner.compiled_prompt is not None
+    assert runner.compiled_decode.group_size == min(2, max_layers_per_region)
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "a step recompiled"
     for request_id in prompts:
         assert compiled.requests[request_id].token_ids == eager.requests[request_id].token_ids
@@ -183,3 +189,15 @@ def test_smollm2_greedy_tokens_unchanged(smollm2_dir, compile_on):
     eager, compiled = generate(False), generate(True)
     assert compiled == eager
     assert tokenizer.decode(compiled["0"]).startswith("The capital of France is Paris")
+
+
+def test_layers_per_region_splits_into_equal_groups():
+    assert [cpu_compile.layers_per_region(n) for n in (30, 32, 28, 24, 22, 7, 2)] == [
+        6,
+        8,
+        7,
+        8,
+        2,
+        7,
+        2,
+    ]

@@ -6,10 +6,11 @@ residual adds, views), each a Python call and a dispatcher trip; on two cores th
 about as much as the matrix products. Inductor fuses them into a few C++ loops per layer,
 and one compiled call per step replaces ~100 Python-level calls per layer. (A compiled
 region costs ~0.1 ms to enter on this class of CPU: one region per layer cost the
-embedded model ~3 ms a step, a quarter of its batch-1 token, so the step is one region,
-``decode_layers``, Dynamo unrolling the layer loop. Its price is compile time: Inductor
-schedules the unrolled 30-layer graph once per batch class, ~80 s at the first start on two
-cores, ~12 s from its cache after that.)
+embedded model ~3 ms a step, a quarter of its batch-1 token. So ``decode_layers`` runs a
+group of layers, Dynamo unrolling the loop, and the same graph serves every group
+(``layers_per_region``: the embedded model's 30 layers as 5 groups of 6). The group's size
+buys entry cost with compile time: on two cores, one region of all 30 layers was as fast
+a step as 5 of 6 but took ~80 s to compile at the first start against ~25 s.)
 
 Attention is an opaque custom op inside the graph (``vtllm::cpu_decode_attention``): it
 writes the step's K/V into the paged cache and attends over each request's blocks, taking
@@ -138,7 +139,7 @@ def decode_layer(
 
 
 def decode_layers(
-    layers: torch.nn.ModuleList,  # the model's LlamaDecoderLayers
+    layers: torch.nn.ModuleList,  # a group of the model's LlamaDecoderLayers
     x: torch.Tensor,  # [num_reqs, hidden]: the embedded tokens
     residual: torch.Tensor,  # [num_reqs, hidden] zeros
     positions: torch.Tensor,  # [num_reqs]
@@ -149,14 +150,23 @@ def decode_layers(
     seq_lens: torch.Tensor,  # [num_reqs] int64
     mask: torch.Tensor,  # [num_reqs, 1, 1, max_blocks * block_size]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every layer's ``decode_layer`` in turn: what is compiled, as one graph (Dynamo
-    unrolls the loop)."""
+    """``decode_layer`` of each of ``layers`` in turn: what is compiled, one graph for a
+    group of layers (Dynamo unrolls the loop; see the module docstring)."""
     for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
         x, residual = decode_layer(
             layer, x, residual, positions, rotary, k_cache, v_cache,
             slot_mapping, block_tables, seq_lens, mask,
         )  # fmt: skip
     return x, residual
+
+
+MAX_LAYERS_PER_REGION = 8
+
+
+def layers_per_region(num_layers: int) -> int:
+    """The most layers one compiled region runs: the largest divisor of ``num_layers`` up
+    to ``MAX_LAYERS_PER_REGION`` (equal groups: one graph serves them all)."""
+    return max(d for d in range(1, MAX_LAYERS_PER_REGION + 1) if num_layers % d == 0)
 
 
 def decode_inputs(
@@ -222,6 +232,7 @@ class CompiledDecode:
         self.block_size = block_size
         self.dtype = model.model.norm.weight.dtype
         self._layers = torch.compile(decode_layers, dynamic=False)  # dims marked per call
+        self.group_size = layers_per_region(len(model.model.layers))
         self.warmed_up = False
 
     def __call__(
@@ -255,18 +266,20 @@ class CompiledDecode:
             torch.fx.experimental._config.patch(use_duck_shape=False),
             torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.warmed_up),
         ):
-            x, residual = self._layers(
-                model.model.layers,
-                x,
-                residual,
-                positions,
-                model.rotary,
-                self.kv_caches,
-                slots,
-                tables,
-                lens,
-                mask,
-            )
+            layers, group = model.model.layers, self.group_size
+            for first in range(0, len(layers), group):
+                x, residual = self._layers(
+                    layers[first : first + group],
+                    x,
+                    residual,
+                    positions,
+                    model.rotary,
+                    self.kv_caches[first : first + group],
+                    slots,
+                    tables,
+                    lens,
+                    mask,
+                )
         return model.model.norm(x, residual)[0]  # [num_reqs, hidden]
 
     def warm_up(self, max_num_seqs: int) -> list[int]:
