@@ -137,6 +137,29 @@ def test_a_killed_rank_is_named_not_the_rank_whose_collective_failed(make_execut
     assert "Traceback" not in str(e.value)
 
 
+def test_an_unreachable_rank_whose_process_exited_is_named_by_its_exit(make_executor):
+    """ZMQ may refuse a send to a SIGKILLed rank ("Host unreachable") before the engine
+    sees the exit: the error still names the exit, not the unreachable socket."""
+    import os
+    import signal
+
+    import zmq
+
+    executor = make_executor("serve", world_size=2)
+    executor.start()
+    executor.init_kv_cache(4, 16)
+    pid = executor.processes[1].pid
+    os.kill(pid, signal.SIGKILL)
+    unreachable = zmq.ZMQError(zmq.EHOSTUNREACH)
+    message = executor._describe_unreachable(b"rank-1", unreachable)
+    assert message.startswith(f"worker rank 1 (pid {pid}) exited with code -9"), message
+    assert "Host unreachable" in message
+    # a rank whose process lives is still "cannot reach"
+    assert executor._describe_unreachable(b"rank-0", unreachable).startswith(
+        "cannot reach worker rank-0: "
+    )
+
+
 def test_a_failing_rank_is_named_while_its_peers_live(make_executor):
     executor = make_executor("rank0-fails-on-step", world_size=2)
     executor.start()

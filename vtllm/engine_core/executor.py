@@ -307,7 +307,7 @@ class MultiprocExecutor:
         try:
             self._socket.send_multipart([identity, codec.encode(message)], copy=False)
         except zmq.ZMQError as e:
-            raise WorkerDiedError(f"cannot reach worker {identity.decode()}: {e}") from None
+            raise WorkerDiedError(self._describe_unreachable(identity, e)) from None
 
     def _broadcast(self, message: Any) -> None:
         payload = codec.encode(message)
@@ -315,7 +315,23 @@ class MultiprocExecutor:
             try:
                 self._socket.send_multipart([identity, payload], copy=False)
             except zmq.ZMQError as e:
-                raise WorkerDiedError(f"cannot reach worker {identity.decode()}: {e}") from None
+                raise WorkerDiedError(self._describe_unreachable(identity, e)) from None
+
+    def _describe_unreachable(self, identity: bytes, error: zmq.ZMQError) -> str:
+        """Why a send to ``identity`` failed: ZMQ drops a peer whose process died
+        ("Host unreachable") possibly before the exit is seen, so when that rank's
+        process has exited (or does within ``_PEER_EXIT_GRACE_S``) the exit is named."""
+        name = identity.decode(errors="replace")
+        rank = self._identities.index(identity) if identity in self._identities else None
+        if rank is not None and rank < len(self.processes):
+            process = self.processes[rank]
+            process.join(_PEER_EXIT_GRACE_S)
+            if not process.is_alive():
+                return (
+                    f"worker rank {rank} (pid {process.pid}) exited with code "
+                    f"{process.exitcode} (then unreachable: {error})"
+                )
+        return f"cannot reach worker {name}: {error}"
 
     def _recv(self) -> Any:
         """One decoded worker message, or None after a poll interval with nothing (or
