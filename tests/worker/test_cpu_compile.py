@@ -58,6 +58,18 @@ def _generate(runner: ModelRunner, prompts: dict[str, list[int]], steps: int) ->
     return engine
 
 
+def _assert_same_top_logprobs(ours_per_step: list, theirs_per_step: list) -> None:
+    """The same top tokens at every step, their log-probabilities within fp32 rounding."""
+    for ours, theirs in zip(ours_per_step, theirs_per_step, strict=True):
+        assert [t for t, _ in ours] == [t for t, _ in theirs]
+        torch.testing.assert_close(
+            torch.tensor([lp for _, lp in ours]),
+            torch.tensor([lp for _, lp in theirs]),
+            atol=1e-4,
+            rtol=0,
+        )
+
+
 @pytest.mark.parametrize("max_layers_per_region", [8, 1], ids=["one region", "two regions"])
 def test_compiled_decode_matches_eager_without_recompiles(
     tmp_path, compile_on, monkeypatch, max_layers_per_region
@@ -77,16 +89,7 @@ def test_compiled_decode_matches_eager_without_recompiles(
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "a step recompiled"
     for request_id in prompts:
         assert compiled.requests[request_id].token_ids == eager.requests[request_id].token_ids
-        for ours, theirs in zip(
-            compiled.logprobs[request_id], eager.logprobs[request_id], strict=True
-        ):
-            assert [t for t, _ in ours] == [t for t, _ in theirs]
-            torch.testing.assert_close(
-                torch.tensor([lp for _, lp in ours]),
-                torch.tensor([lp for _, lp in theirs]),
-                atol=1e-4,
-                rtol=0,
-            )
+        _assert_same_top_logprobs(compiled.logprobs[request_id], eager.logprobs[request_id])
 
 
 def _prompt_logprobs(runner: ModelRunner, chunked: dict[str, list[int]]) -> list:
@@ -114,14 +117,7 @@ def test_compiled_prompt_step_matches_eager_without_recompiles(tmp_path, compile
     compiled = _prompt_logprobs(runner, chunked)
     assert runner.compiled_prompt is not None
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "a prompt step recompiled"
-    for ours, theirs in zip(compiled, eager, strict=True):
-        assert [t for t, _ in ours] == [t for t, _ in theirs]
-        torch.testing.assert_close(
-            torch.tensor([lp for _, lp in ours]),
-            torch.tensor([lp for _, lp in theirs]),
-            atol=1e-4,
-            rtol=0,
-        )
+    _assert_same_top_logprobs(compiled, eager)
 
 
 def test_a_failing_compiled_step_falls_back_to_eager(tmp_path, compile_on):

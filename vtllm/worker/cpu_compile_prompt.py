@@ -29,12 +29,7 @@ import time
 import torch
 
 from vtllm import envs
-from vtllm.worker.attention import (
-    AttentionMetadata,
-    build_attention_metadata,
-    paged_attention,
-    write_kv_cache,
-)
+from vtllm.worker.attention import AttentionMetadata, build_attention_metadata
 from vtllm.worker.layers.cpu_quant import prompt_step
 from vtllm.worker.layers.rotary import RotaryEmbedding
 from vtllm.worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
@@ -83,22 +78,9 @@ class CompiledPrompt:
         num_tokens = input_ids.shape[0]
         x = model.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         residual = torch.zeros_like(x)
-        for layer, (k_cache, v_cache) in zip(model.model.layers, kv_caches, strict=True):
-            attn = layer.self_attn
+        for layer, kv_cache in zip(model.model.layers, kv_caches, strict=True):
             q, k, v, residual = self._pre(layer, x, residual, positions, model.rotary)
-            write_kv_cache(
-                k, v, k_cache, v_cache, metadata.slot_mapping, attn.k_scale, attn.v_scale
-            )
-            o = paged_attention(
-                q,
-                k_cache,
-                v_cache,
-                metadata,
-                attn.scale,
-                attn.sliding_window,
-                attn.k_scale,
-                attn.v_scale,
-            )  # [num_tokens, heads, head_dim]; fmt: skip
+            o = layer.self_attn.write_and_attend(q, k, v, kv_cache, metadata)
             x, residual = self._post(layer, o.reshape(num_tokens, -1), residual)
         return model.model.norm(x, residual)[0]  # [num_tokens, hidden]
 

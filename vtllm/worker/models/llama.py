@@ -183,15 +183,32 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         q_size = self.num_heads * self.head_dim
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
-        k_cache, v_cache = kv_cache
         if qkv.is_cuda:  # q/k norm, rope and the cache write in one kernel
+            k_cache, v_cache = kv_cache
             q = self._prep_on_gpu(qkv, positions, rotary, k_cache, v_cache, metadata)
+            k = v = None
         else:
             q, k, v = self.split_and_rotate(qkv, positions, rotary)
+        o = self.write_and_attend(q, k, v, kv_cache, metadata)  # [num_tokens, heads, head_dim]
+        return self.o_proj(o.reshape(num_tokens, q_size))  # [num_tokens, hidden]
+
+    def write_and_attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, heads, head_dim]
+        k: torch.Tensor | None,  # [num_tokens, kv_heads, head_dim]; None: already written
+        v: torch.Tensor | None,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The step's k and v into the cache at its slots, then paged attention of q:
+        ``[num_tokens, heads, head_dim]``. Also the middle of the compiled CPU prompt
+        step (``cpu_compile_prompt.py``)."""
+        k_cache, v_cache = kv_cache
+        if k is not None and v is not None:
             write_kv_cache(
                 k, v, k_cache, v_cache, metadata.slot_mapping, self.k_scale, self.v_scale
             )
-        o = paged_attention(
+        return paged_attention(
             q,
             k_cache,
             v_cache,
@@ -200,8 +217,7 @@ class LlamaAttention(nn.Module):
             self.sliding_window,
             self.k_scale,
             self.v_scale,
-        )  # [num_tokens, heads, head_dim]
-        return self.o_proj(o.reshape(num_tokens, q_size))  # [num_tokens, hidden]
+        )
 
     def split_and_rotate(
         self,
