@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from vtllm import envs
+from vtllm.worker.cpu_precision import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,10 @@ def _build() -> ctypes._CFuncPtr | None:
         logger.info("no C compiler: CPU decode attention stays on the torch path")
         return None
     flags = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared"]
-    key = hashlib.sha256((C_SOURCE + " ".join(flags)).encode()).hexdigest()[:16]
+    # -march=native: a cache directory shared between machines must not hand one CPU's
+    # build to another, so the CPU's flags are part of the name
+    cpu = " ".join(sorted(cpu_flags()))
+    key = hashlib.sha256((C_SOURCE + " ".join(flags) + cpu).encode()).hexdigest()[:16]
     directory = envs.VT_CACHE_DIR / "native"
     library = directory / f"decode_attention_{key}.so"
     if not library.exists():
