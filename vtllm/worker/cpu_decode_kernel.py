@@ -6,12 +6,13 @@ K/V, gathers every block of each request into a fresh tensor and calls SDPA: ~20
 calls a layer (~55 us of Python and dispatch on two cores, ~1.7 ms a step of the embedded
 model) plus a copy of the whole context every step (at 8k tokens, 12 MiB a layer). This
 kernel does the write and the attention in one C call a layer: for each request and KV
-head it walks the request's keys block by block, once for all query heads that share them
-(grouped-query), with an online softmax (no score buffer):
+head it walks the request's keys block by block through its table, for each query head
+that shares them (grouped-query), with an online softmax rescaled once a block (scores of
+one block held, never the whole row):
 
-    for t in keys:  s_g = q_g . k_t * scale      (g: the query heads of this KV head)
-                    m_g' = max(m_g, s_g);  l_g = l_g e^(m_g - m_g') + e^(s_g - m_g')
-                    acc_g = acc_g e^(m_g - m_g') + e^(s_g - m_g') v_t
+    for each block B:  s_gt = q_g . k_t * scale for t in B   (g: the query heads of this KV head)
+                       m_g' = max(m_g, max_t s_gt);  c = e^(m_g - m_g')
+                       l_g = l_g c + sum_t e^(s_gt - m_g');  acc_g = acc_g c + sum_t e^(s_gt - m_g') v_t
     out_g = acc_g / l_g
 
 It is C compiled at first use with the system's C compiler (``cc -O3 -march=native``,

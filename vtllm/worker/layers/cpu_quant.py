@@ -41,13 +41,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vtllm.worker.cpu_precision import cpu_flags
 from vtllm.worker.layers.embedding import ParallelLMHead
 from vtllm.worker.layers.linear import ColumnParallelLinear, LinearMethod, RowParallelLinear
 
@@ -184,15 +184,7 @@ def fast_int4_cpu(cpuinfo: str | None = None) -> bool:
     ones emulate them and still win, below), read from ``/proc/cpuinfo`` (False where there
     is none, and on other architectures, where the kernel was not measured); ``cpuinfo``:
     that file's text instead."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return bool(flags & {"avx2", "avx512_bf16", "amx_bf16"})
+    return bool(cpu_flags(cpuinfo) & {"avx2", "avx512_bf16", "amx_bf16"})
     return False
 
 
