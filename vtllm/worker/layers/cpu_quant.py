@@ -185,7 +185,6 @@ def fast_int4_cpu(cpuinfo: str | None = None) -> bool:
     is none, and on other architectures, where the kernel was not measured); ``cpuinfo``:
     that file's text instead."""
     return bool(cpu_flags(cpuinfo) & {"avx2", "avx512_bf16", "amx_bf16"})
-    return False
 
 
 def choose_quantization(
