@@ -415,8 +415,18 @@ class MultiprocExecutor:
                     f"worker rank {rank} (pid {process.pid}) sent no heartbeat for "
                     f"{now - last_beat:.1f}s (VT_WORKER_HEARTBEAT_TIMEOUT_S={silence_limit:g}s)"
                     + (f"; the process is {state}" if state else "")
-                    + f"; it was {self.liveness[rank].phase}"
+                    + f"; it was {self._phase_of(rank)}"
                 )
+
+    def _phase_of(self, rank: int) -> str:
+        """What ``rank`` was doing, by its last heartbeat, or "serving" while a step is in
+        flight: steps are sent only after start-up, and a worker frozen (SIGSTOP) right
+        after its phase change can stop before its I/O thread sends the beat that says so
+        (seen in CI: "it was waiting for the KV cache size" during a step)."""
+        phase = self.liveness[rank].phase
+        if self._in_flight and phase != "serving":
+            return f"serving (its last heartbeat said: {phase})"
+        return phase
 
     def describe_liveness(self) -> str:
         """One line per rank of what its heartbeats say, for logs and errors."""
