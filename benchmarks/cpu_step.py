@@ -1,10 +1,11 @@
 """The embedded SmolLM2's CPU steps inside one worker (no engine core, no HTTP): decode
 step time at batch 1 and batch N, and one prefill of a long prompt, as ``vtllm serve``
-runs them (its default CPU quantisation unless ``--quantization`` says otherwise, and
-the compiled decode step of ``worker/cpu_compile.py`` unless ``--eager``).
+runs them (its default CPU quantisation unless ``--quantization`` says otherwise, the
+native decode step of ``worker/cpu_native_decode.py`` unless ``--no-native`` or
+``--eager``, and the compiled steps of ``worker/cpu_compile.py`` unless ``--eager``).
 
     .venv/bin/python benchmarks/cpu_step.py [--batch 8] [--steps 40] [--prefill 2048] \
-        [--quantization int4|int8|none] [--threads 2] [--eager] [--profile]
+        [--quantization int4|int8|none] [--threads 2] [--eager] [--no-native] [--profile]
 
 Prints one JSON line per figure: the median and the spread (min..max) of ``--repeats``
 timings. ``--profile``: a ``torch.profiler`` table of ten batch-1 decode steps (op time
@@ -106,7 +107,8 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--eager", action="store_true", help="no compiled decode step")
+    parser.add_argument("--eager", action="store_true", help="no compiled or native step")
+    parser.add_argument("--no-native", action="store_true", help="no native decode step")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -120,6 +122,7 @@ def main() -> None:
     )
     runner.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
     runner.dummy_run(BLOCK_SIZE)
+    native = not args.eager and not args.no_native and runner.use_native_decode()
     compiled = not args.eager and runner.compile_cpu_steps(max(8, args.batch))
     print(
         json.dumps(
@@ -127,6 +130,7 @@ def main() -> None:
                 "quantization": quant,
                 "threads": torch.get_num_threads(),
                 "compiled_decode": compiled,
+                "native_decode": native,
                 "start_s": round(time.perf_counter() - started, 1),
             }
         ),

@@ -87,6 +87,8 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     ),
     # CPU workers' decode step through torch.compile: auto (quantised models), on, off.
     "VT_CPU_COMPILE": lambda: _choice("VT_CPU_COMPILE", ("auto", "on", "off"), "auto"),
+    # CPU workers: decode steps of int4 Llama-family models as one native call (auto | off).
+    "VT_CPU_NATIVE_DECODE": lambda: _choice("VT_CPU_NATIVE_DECODE", ("auto", "off"), "auto"),
     # CPU workers of float32 models: prompt steps multiply in bf16 (float32 accumulation)
     # and attend prefill chunks in bf16: auto (CPUs with native bf16), on, off.
     "VT_CPU_BF16_PREFILL": lambda: _choice("VT_CPU_BF16_PREFILL", ("auto", "on", "off"), "auto"),

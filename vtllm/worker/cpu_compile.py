@@ -300,15 +300,13 @@ class CompiledDecode:
                 )
         return model.model.norm(x, residual)[0]  # [num_reqs, hidden]
 
-    def warm_up(self, max_num_seqs: int) -> list[int]:
+    def warm_up(self, max_num_seqs: int, native_rows: int = 0) -> list[int]:
         """Compile every graph serving will need: decode batches of 1, 2 and, with
         quantised linears and room for it, ``MAX_QUANTIZED_ROWS + 1`` requests, each at
-        position 0 in block 0 (which the engine overwrites before reading). Returns the
-        batch sizes run; raises what the compiler raises."""
-        quantised = has_quantised_linears(self.model)
-        sizes = [n for n in (1, 2) if n <= max_num_seqs]
-        if quantised and max_num_seqs > MAX_QUANTIZED_ROWS:
-            sizes.append(MAX_QUANTIZED_ROWS + 1)
+        position 0 in block 0 (which the engine overwrites before reading), leaving out
+        sizes up to ``native_rows`` (the native step's). Returns the batch sizes run;
+        raises what the compiler raises."""
+        sizes = compiled_sizes(self.model, max_num_seqs, native_rows)
         self.warmed_up = False
         with torch.inference_mode():
             for num_reqs in sizes:
@@ -322,6 +320,14 @@ class CompiledDecode:
         return sizes
 
 
+def compiled_sizes(model: torch.nn.Module, max_num_seqs: int, native_rows: int) -> list[int]:
+    """The decode batch sizes whose graphs ``CompiledDecode.warm_up`` compiles (see there)."""
+    sizes = [n for n in (1, 2) if n <= max_num_seqs]
+    if has_quantised_linears(model) and max_num_seqs > MAX_QUANTIZED_ROWS:
+        sizes.append(MAX_QUANTIZED_ROWS + 1)
+    return [n for n in sizes if n > native_rows]
+
+
 def try_compile(
     model: torch.nn.Module,
     kv_caches: list[KVCache],
@@ -329,10 +335,14 @@ def try_compile(
     max_num_seqs: int,
     is_gpu: bool,
     enforce_eager: bool,
+    native_rows: int = 0,
 ) -> CompiledDecode | None:
     """The compiled decode step, warmed up (compile time logged), or None (eager) with a
-    log line saying why: not wanted here, or the compile failed."""
+    log line saying why: not wanted here, the native step (``native_rows``) serves every
+    batch it would, or the compile failed."""
     reason = compile_reason(model, is_gpu, enforce_eager)
+    if reason is None and not compiled_sizes(model, max_num_seqs, native_rows):
+        reason = f"the native step serves every decode batch (up to {native_rows} requests)"
     if reason is not None:
         logger.info("CPU decode steps run eagerly: %s", reason)
         return None
@@ -340,7 +350,7 @@ def try_compile(
     started = time.monotonic()
     compiled = CompiledDecode(model, kv_caches, block_size)
     try:
-        sizes = compiled.warm_up(max_num_seqs)
+        sizes = compiled.warm_up(max_num_seqs, native_rows)
     except Exception as e:  # noqa: BLE001 - whatever the compiler raises: serve eagerly
         first_line = str(e).splitlines()[0] if str(e) else ""
         logger.warning(

@@ -34,8 +34,9 @@ from vtllm.worker.attention import (
     attention_metadata,
     build_attention_metadata,
 )
-from vtllm.worker.cpu_compile import CompiledDecode, try_compile
+from vtllm.worker.cpu_compile import CompiledDecode, compile_reason, try_compile
 from vtllm.worker.cpu_compile_prompt import CompiledPrompt, try_compile_prompt
+from vtllm.worker.cpu_native_decode import MAX_NATIVE_ROWS, NativeDecode, try_native_decode
 from vtllm.worker.cpu_precision import bf16_products, choose_bf16_prefill
 from vtllm.worker.decode_graphs import DecodeGraphs, capture_sizes
 from vtllm.worker.distributed import TPGroup
@@ -124,6 +125,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
         self.compiled_decode: CompiledDecode | None = None  # set by compile_cpu_steps
         self.compiled_prompt: CompiledPrompt | None = None  # set by compile_cpu_steps
+        self.native_decode: NativeDecode | None = None  # set by use_native_decode
         self.tokenizer_dir = tokenizer_dir
         self.structured: StructuredOutputs | None = None  # on the driver, at first use
         self.platform = platform_of(device)
@@ -226,6 +228,7 @@ class ModelRunner:
         self.block_size = block_size
         self.decode_graphs = None  # they point into the old cache
         self.compiled_decode = None
+        self.native_decode = None
 
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV cache this rank holds now (0 before ``init_kv_cache``)."""
@@ -269,6 +272,18 @@ class ModelRunner:
         self.decode_graphs = graphs
         return graphs
 
+    def use_native_decode(self) -> bool:
+        """On a CPU, route decode-only steps of up to ``MAX_NATIVE_ROWS`` requests through
+        the native step (``cpu_native_decode.py``) where it applies (logged either way).
+        True when it does. Call before ``compile_cpu_steps``, which then compiles no
+        decode graph for those batch sizes."""
+        if not self.kv_caches:
+            raise RuntimeError("use_native_decode() needs a KV cache")
+        self.native_decode = try_native_decode(
+            self.model, self.kv_caches, self.block_size, self.platform.is_gpu
+        )
+        return self.native_decode is not None
+
     def compile_cpu_steps(self, max_num_seqs: int, enforce_eager: bool = False) -> bool:
         """On a CPU, route decode-only steps through the compiled forward of
         ``cpu_compile.py`` and prompt steps through ``cpu_compile_prompt.py`` (compiled
@@ -283,8 +298,9 @@ class ModelRunner:
             max_num_seqs,
             self.device.type != "cpu",
             enforce_eager,
+            native_rows=MAX_NATIVE_ROWS if self.native_decode is not None else 0,
         )
-        if self.compiled_decode is not None:
+        if compile_reason(self.model, self.device.type != "cpu", enforce_eager) is None:
             self.compiled_prompt = try_compile_prompt(
                 self.model, self.kv_caches, self.block_size, self._chunk_dtype(True)
             )
@@ -383,7 +399,18 @@ class ModelRunner:
             rows = self._to_device(batch.logits_indices)
             return self.model.compute_logits(hidden.index_select(0, rows)), hidden
         prompt = batch.has_prompt_tokens  # quantised CPU layers use their dense weights
-        if self.compiled_decode is not None and batch.num_tokens == batch.num_reqs and not prompt:
+        decode_only = batch.num_tokens == batch.num_reqs and not prompt
+        if self.native_decode is not None and decode_only and batch.num_reqs <= MAX_NATIVE_ROWS:
+            input_ids = torch.from_numpy(batch.input_ids)  # [num_reqs]; shares memory
+            self._feed_previous_tokens(input_ids, batch)
+            logits, hidden = self.native_decode(
+                input_ids, batch.positions, batch.seq_lens, batch.block_tables(),
+                batch.slot_mapping,
+            )  # fmt: skip
+            if len(batch.sample_rows) == batch.num_reqs:
+                return logits, hidden
+            return logits.index_select(0, torch.from_numpy(batch.logits_indices)), hidden
+        if self.compiled_decode is not None and decode_only:
             hidden = self._compiled_decode(batch)  # [num_reqs, hidden] or None
             if hidden is not None:
                 if len(batch.sample_rows) == batch.num_reqs:

@@ -191,6 +191,7 @@ def _serve(
     _log_phase("warmed up", started)
     if not platform.is_gpu:
         heartbeat.phase = "compiling the CPU decode and prompt steps"
+        runner.use_native_decode()
         runner.compile_cpu_steps(config.scheduler.max_num_seqs, config.model.enforce_eager)
     if use_graphs:
         heartbeat.phase = "capturing decode graphs"

@@ -1,0 +1,243 @@
+"""The native CPU decode step (``worker/cpu_native_decode.py``, ``native/cpu_kernels.c``).
+
+Against its plain-torch reference (same repacked weights, float32): logits, hidden states
+and the KV cache over decode steps of changing batch sizes, positions and block tables,
+for plain, tied, q/k-normed and qkv-biased Llamas; batch-invariant logits; the runner's
+routing (decode-only batches up to MAX_NATIVE_ROWS; prompts and bigger batches elsewhere)
+with the same greedy tokens as the torch int4 path; the embedded SmolLM2's README answer;
+refusals (bad ids) and where it does not apply.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vtllm.protocol.messages import SamplingParams
+from vtllm.worker import cpu_native_decode, native_build
+from vtllm.worker.cpu_native_decode import NativeDecode, Q4Weight, reference_step
+from vtllm.worker.layers import cpu_quant
+from vtllm.worker.model_runner import ModelRunner
+
+from .tiny_models import EngineSim, make_hf_model
+
+pytestmark = pytest.mark.skipif(
+    native_build.library() is None, reason="no C compiler for the native kernels"
+)
+BLOCK_SIZE = 4
+NUM_BLOCKS = 32
+
+
+def _runner(model_dir, quantization: str = "int4") -> ModelRunner:
+    runner = ModelRunner.from_model_dir(
+        model_dir, torch.device("cpu"), torch.float32, seed=0, cpu_quantization=quantization
+    )
+    runner.init_kv_cache(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    return runner
+
+
+def test_q4_repacking_keeps_the_int4_weights():
+    """The kernel's Q4_1 blocks dequantise to the torch int4 path's weight (bf16 scale and
+    zero, float32 arithmetic)."""
+    torch.manual_seed(0)
+    weight = torch.randn(48, 96)
+    _, _, dequantised = cpu_quant.quantize_int4(weight)
+    torch.testing.assert_close(
+        Q4Weight(weight, None).dequantised(), dequantised.float(), atol=1e-2, rtol=1e-2
+    )
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 13])
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_match_their_references(num_rows, bias):
+    """int4 and int8 products (all row-tile sizes, a tail) as their torch references
+    compute them, to float32 rounding: the same quantised activations, integer dots."""
+    torch.manual_seed(num_rows)
+    weight = torch.randn(80, 192) * 0.05
+    x = torch.randn(num_rows, 192)
+    q4 = Q4Weight(weight, torch.randn(80) if bias else None)
+    got = cpu_native_decode.q4_linear(q4, x)
+    torch.testing.assert_close(
+        got, cpu_native_decode.q4_linear_reference(q4, x), atol=2e-5, rtol=1e-5
+    )
+    # and within the int4 and int8 rounding of the float32 product
+    torch.testing.assert_close(
+        got, x @ q4.dequantised().T + (0 if q4.bias is None else q4.bias), atol=0.05, rtol=0
+    )
+    q8, scale, _ = cpu_quant.quantize_int8(weight)
+    scale = scale.float()
+    got = cpu_native_decode.q8_linear(q8, scale, x)
+    want = cpu_native_decode.q8_linear_reference(q8, scale, x)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen3", "qwen2"])
+def test_native_step_matches_its_torch_reference(tmp_path, kind):
+    """Requests join and leave (batch 1..3), sequences cross block boundaries, tables are
+    scattered: each step, from the same cache, gives the reference's logits, hidden
+    states and K/V writes, within what a rounding flip does: the kernel and the reference sum in other orders,
+    so an activation a hair from a quantisation boundary can round to its neighbour
+    (one int8 step of one group), which moves outputs by ~1e-3 (exact products:
+    ``test_products_match_their_references``)."""
+    overrides = {"use_sliding_window": False} if kind == "qwen2" else {}
+    make_hf_model(kind, tmp_path, **overrides)
+    runner = _runner(tmp_path)
+    native = cpu_native_decode.try_native_decode(
+        runner.model, runner.kv_caches, BLOCK_SIZE, is_gpu=False
+    )
+    assert native is not None
+    reference_caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    rng = np.random.default_rng(0)
+    tables = rng.permutation(NUM_BLOCKS)[: 3 * 8].reshape(3, 8)  # 8 blocks per request
+    lengths = [0, 0, 0]
+    for step in range(14):
+        live = [r for r in range(3) if step >= 3 * r and lengths[r] < 30]
+        ids = rng.integers(0, 512, len(live))
+        positions = np.array([lengths[r] for r in live])
+        seq_lens = positions + 1
+        width = int(seq_lens.max() + BLOCK_SIZE - 1) // BLOCK_SIZE
+        block_tables = tables[live][:, :width]
+        slots = np.array(
+            [
+                tables[r][lengths[r] // BLOCK_SIZE] * BLOCK_SIZE + lengths[r] % BLOCK_SIZE
+                for r in live
+            ]
+        )
+        for (k, v), (ref_k, ref_v) in zip(runner.kv_caches, reference_caches, strict=True):
+            ref_k.copy_(k), ref_v.copy_(v)  # each step from the same cache (no drift)
+        logits, hidden = native(ids, positions, seq_lens, block_tables, slots)
+        want_logits, want_hidden = reference_step(
+            native, reference_caches, *map(torch.from_numpy, (ids, positions, seq_lens)),
+            torch.from_numpy(block_tables), torch.from_numpy(slots),
+        )  # fmt: skip
+        torch.testing.assert_close(hidden, want_hidden, atol=0.1, rtol=0)
+        torch.testing.assert_close(logits, want_logits, atol=0.05, rtol=0)
+        assert (logits - want_logits).abs().mean() < 5e-3
+        for r in live:
+            lengths[r] += 1
+    for (k, v), (want_k, want_v) in zip(runner.kv_caches, reference_caches, strict=True):
+        torch.testing.assert_close(k, want_k, atol=0.02, rtol=0)
+        torch.testing.assert_close(v, want_v, atol=0.02, rtol=0)
+
+
+def test_logits_do_not_depend_on_the_batch(tmp_path):
+    """One request's logits alone and beside five others: bit for bit (each output is
+    reduced in a fixed order by one thread)."""
+    make_hf_model("llama", tmp_path)
+    runner = _runner(tmp_path)
+    native = NativeDecode(runner.model, runner.kv_caches, BLOCK_SIZE)
+    tables = np.arange(24).reshape(6, 4)
+    slots = tables[:, 0] * BLOCK_SIZE
+    ones = np.ones(6, dtype=np.int64)
+    batched, _ = native(np.arange(10, 16), ones - 1, ones, tables, slots)
+    alone, _ = native(np.array([10]), ones[:1] - 1, ones[:1], tables[:1], slots[:1])
+    assert torch.equal(batched[:1], alone)
+
+
+def test_out_of_range_ids_are_refused(tmp_path):
+    make_hf_model("llama", tmp_path)
+    runner = _runner(tmp_path)
+    native = NativeDecode(runner.model, runner.kv_caches, BLOCK_SIZE)
+    one = np.ones(1, dtype=np.int64)
+    with pytest.raises(ValueError, match="token id or position out of range"):
+        native(np.array([512]), one - 1, one, np.zeros((1, 2)), one - 1)
+    with pytest.raises(ValueError, match="token id or position out of range"):
+        native(np.array([5]), one * 10_000, one, np.zeros((1, 2)), one - 1)
+
+
+def _greedy(runner: ModelRunner, prompts: dict[str, list[int]], steps: int) -> EngineSim:
+    engine = EngineSim(runner.execute, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    params = SamplingParams(temperature=0.0, logprobs=3)
+    engine.logprobs = {request_id: [] for request_id in prompts}
+    for request_id, prompt in prompts.items():
+        engine.add(request_id, prompt, params)
+        engine.step({request_id: len(prompt)})
+    for _ in range(steps):
+        output = engine.step({request_id: 1 for request_id in engine.requests})
+        for request_id, top in zip(output.request_ids, output.top_logprobs, strict=True):
+            engine.logprobs[request_id].append(top)
+    return engine
+
+
+def test_the_runner_decodes_through_it_as_through_the_int4_path(tmp_path, monkeypatch):
+    """Prompts prefill on the dense weights, decodes go native (counted): greedy tokens
+    as the torch int4 path's, top log-probabilities within its bf16 activation rounding."""
+    make_hf_model("llama", tmp_path)
+    prompts = {"a": [5, 6, 7], "b": [9, 10, 11, 12, 13, 14], "c": [3] * 11}
+    torch_path = _greedy(_runner(tmp_path), prompts, steps=8)
+    runner = _runner(tmp_path)
+    assert runner.use_native_decode()
+    calls = []
+    native_call = runner.native_decode.__call__
+    monkeypatch.setattr(
+        runner.native_decode.__class__, "__call__",
+        lambda self, *args: calls.append(len(args[0])) or native_call(*args),
+    )  # fmt: skip
+    native_path = _greedy(runner, prompts, steps=8)
+    assert calls == [3] * 8  # the decode steps only, prompts elsewhere
+    for request_id in prompts:
+        assert (
+            native_path.requests[request_id].token_ids == torch_path.requests[request_id].token_ids
+        )
+        for ours, theirs in zip(
+            native_path.logprobs[request_id], torch_path.logprobs[request_id], strict=True
+        ):
+            torch.testing.assert_close(
+                torch.tensor([lp for _, lp in ours]), torch.tensor([lp for _, lp in theirs]),
+                atol=0.02, rtol=0,
+            )  # fmt: skip
+
+
+def test_batches_above_its_rows_go_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_native_decode, "MAX_NATIVE_ROWS", 1)
+    monkeypatch.setattr("vtllm.worker.model_runner.MAX_NATIVE_ROWS", 1)
+    make_hf_model("llama", tmp_path)
+    runner = _runner(tmp_path)
+    assert runner.use_native_decode()
+    calls = []
+    native_call = runner.native_decode.__call__
+    monkeypatch.setattr(
+        runner.native_decode.__class__, "__call__",
+        lambda self, *args: calls.append(len(args[0])) or native_call(*args),
+    )  # fmt: skip
+    _greedy(runner, {"a": [5, 6], "b": [7, 8]}, steps=2)
+    assert calls == []
+
+
+def test_where_it_does_not_apply(tmp_path, monkeypatch):
+    make_hf_model("llama", tmp_path / "llama")
+    assert not _runner(tmp_path / "llama", "none").use_native_decode()  # float32 linears
+    assert not _runner(tmp_path / "llama", "int8").use_native_decode()
+    make_hf_model("mistral", tmp_path / "mistral")
+    assert not _runner(tmp_path / "mistral").use_native_decode()  # sliding windows
+    monkeypatch.setenv("VT_CPU_NATIVE_DECODE", "off")
+    assert not _runner(tmp_path / "llama").use_native_decode()
+
+
+def test_embedded_model_answers_the_readme_question_as_float32(smollm2_dir):
+    """`make serve`'s decode path on the embedded SmolLM2: the README's question gets the
+    same 16 greedy tokens as the float32 model."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    readme = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    prompt = tokenizer.encode(readme).ids
+
+    def generate(quantization: str) -> list[int]:
+        runner = ModelRunner.from_model_dir(
+            smollm2_dir, torch.device("cpu"), torch.float32, seed=0,
+            cpu_quantization=quantization,
+        )  # fmt: skip
+        runner.init_kv_cache(num_blocks=16, block_size=16)
+        assert runner.use_native_decode() == (quantization == "int4")
+        engine = EngineSim(runner.execute, num_blocks=16, block_size=16)
+        engine.add("readme", prompt, SamplingParams(temperature=0.0))
+        engine.step({"readme": len(prompt)})
+        for _ in range(15):
+            engine.step({"readme": 1})
+        return engine.requests["readme"].token_ids[len(prompt) :]
+
+    native = generate("int4")
+    assert native == generate("none")
+    assert tokenizer.decode(native).startswith("The capital of France is Paris")

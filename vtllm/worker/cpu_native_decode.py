@@ -1,0 +1,362 @@
+"""A whole CPU decode step in one native call: ``vt_decode_step`` of
+``worker/native/cpu_kernels.c``, with ``reference_step`` (plain torch) beside it.
+
+A decode step of the embedded model on two cores is ~15 ms through torch (compiled
+regions, the int4 and int8 kernels, the native attention): of it, the weights' bytes at
+memory bandwidth are ~6 ms; the rest is per-op work (dispatch, Dynamo guards, casts to
+bf16 and back, ~200 kernel launches). The native step runs the same model as a C loop:
+
+    x = embed[ids]; residual = 0
+    per layer:  residual += x;  h = rms_norm(residual) * w_in
+                qkv = h @ Wqkv^T (int4);  q/k norm (Qwen3);  rotary;  K/V → paged cache
+                attn = paged decode attention (per request and KV head, grouped query)
+                x = attn @ Wo^T;  residual += x;  h = rms_norm(residual) * w_post
+                x = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wd^T
+    hidden = rms_norm(residual + x) * w_final;  logits = hidden @ Wlm^T (int8)
+
+with OpenMP threads (torch's runtime) splitting each product's output rows. Weights: the
+int4 of ``layers/cpu_quant.py`` (``quantize_int4``: per group of 32 inputs,
+``w = (q - 8) * scale + zero``) repacked as GGUF ``Q4_1`` blocks (16 bytes of nibbles,
+``w = nibble * d + m`` with ``d = scale``, ``m = zero - 8 scale``, float32), and the LM
+head's int8 rows with their scales; activations stay float32 (the torch int4 kernel rounds
+them to bf16), so the native step is closer to the float32 model than the torch int4 path.
+Each output element is reduced by one thread in a fixed order: logits do not depend on the
+batch or the thread count.
+
+Which steps: decode-only batches of up to ``MAX_NATIVE_ROWS`` requests (more, and the
+quantised layers use their dense weights anyway: ``cpu_quant.MAX_QUANTIZED_ROWS``) of a
+``LlamaForCausalLM`` whose linears are all int4 without bias on the MLP and output, SiLU,
+no sliding window, float32 weights and KV cache (``native_reason`` says why not).
+``VT_CPU_NATIVE_DECODE``: ``auto`` (default) uses it where it applies, ``off`` never.
+The extra memory: the repacked weights (5 bits a weight: ~70 MB for SmolLM2-135M).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vtllm import envs
+from vtllm.worker import native_build
+from vtllm.worker.layers.cpu_quant import (
+    INT4_GROUP_SIZE,
+    MAX_QUANTIZED_ROWS,
+    CpuInt4Method,
+    CpuInt8Method,
+    quantize_int4,
+)
+from vtllm.worker.models.llama import KVCache, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+MAX_NATIVE_ROWS = MAX_QUANTIZED_ROWS
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class _Q4(ctypes.Structure):
+    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("bias", _P), ("n", _I), ("k", _I)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("qkv", _Q4), ("o", _Q4), ("gate_up", _Q4), ("down", _Q4),
+        ("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
+        ("k_cache", _P), ("v_cache", _P),
+    ]  # fmt: skip
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("hidden", _I), ("inter", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
+        ("vocab", _I), ("block_size", _I), ("num_layers", _I), ("max_position", _I),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("embed", _P), ("final_norm", _P), ("lm_q", _P), ("lm_scale", _P), ("cos_sin", _P),
+        ("layers", ctypes.POINTER(_Layer)),
+    ]  # fmt: skip
+
+
+class Q4Weight:
+    """One linear layer's int4 weight in the kernel's layout: ``packed [n, k / 32, 16]
+    uint8`` (byte j of a group: element j low nibble, j + 16 high), ``d`` and ``m``
+    ``[n, k / 32]`` float32 (``w = nibble * d + m``), ``bias [n]`` float32 or None."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        n, k = weight.shape
+        q, scale_zero, _ = quantize_int4(weight)  # q [n, k] 0..15, [k / 32, n, 2] bf16
+        q = q.to(torch.uint8).view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+        half = INT4_GROUP_SIZE // 2
+        self.packed = (q[..., :half] | (q[..., half:] << 4)).contiguous()
+        scale, zero = scale_zero.float().transpose(0, 1).unbind(-1)  # [n, k / 32] each
+        self.d = scale.contiguous()
+        self.m = (zero - 8.0 * scale).contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.n, self.k = n, k
+
+    def dequantised(self) -> torch.Tensor:
+        """``[n, k]`` float32: the weight the kernel multiplies by."""
+        low, high = self.packed & 15, self.packed >> 4  # [n, k / 32, 16] each
+        nibbles = torch.cat((low, high), dim=-1).float()  # [n, k / 32, 32]
+        w = nibbles * self.d[..., None] + self.m[..., None]
+        return w.reshape(self.n, self.k)
+
+    def struct(self) -> _Q4:
+        bias = 0 if self.bias is None else self.bias.data_ptr()
+        return _Q4(
+            self.packed.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), bias, self.n, self.k
+        )
+
+
+def q4_linear(weight: Q4Weight, x: torch.Tensor) -> torch.Tensor:
+    """``x [R, k]`` float32 times an int4 weight through the kernel (``vt_q4_linear``):
+    ``[R, n]``. For tests and benchmarks; the step calls it inside."""
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
+    function = native_build.library().vt_q4_linear  # type: ignore[union-attr]
+    function.argtypes = [_P, _P, _I, _P]
+    struct = weight.struct()
+    if function(ctypes.addressof(struct), x.data_ptr(), x.shape[0], y.data_ptr()) != 0:
+        raise MemoryError("vt_q4_linear: out of memory")
+    return y
+
+
+def q8_linear(q_weight: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x [R, k]`` float32 times an int8 weight ``[n, k]`` with row scales ``[n]``
+    float32 through the kernel (``vt_q8_linear``): ``[R, n]``."""
+    x = x.float().contiguous()
+    n, k = q_weight.shape
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    function = native_build.library().vt_q8_linear  # type: ignore[union-attr]
+    function.argtypes = [_P, _P, _I, _I, _P, _I, _P]
+    status = function(
+        q_weight.data_ptr(), scale.data_ptr(), n, k, x.data_ptr(), x.shape[0], y.data_ptr()
+    )
+    if status != 0:
+        raise MemoryError("vt_q8_linear: out of memory")
+    return y
+
+
+def native_reason(model: torch.nn.Module, kv_caches: list[KVCache]) -> str | None:
+    """None when ``model`` can decode through the native step; else why not (for the log)."""
+    if envs.VT_CPU_NATIVE_DECODE == "off":
+        return "VT_CPU_NATIVE_DECODE=off"
+    if type(model) is not LlamaForCausalLM:
+        return f"{type(model).__name__} has no native CPU decode step"
+    args = model.args
+    if model.lm_head.tp.size > 1:
+        return "tensor parallelism (the native step runs one whole model)"
+    if any(args.sliding_windows) or args.hidden_act != "silu" or args.o_bias or args.mlp_bias:
+        return "sliding windows, a non-SiLU activation or output/MLP biases"
+    if model.model.norm.weight.dtype != torch.float32:
+        return f"weights in {model.model.norm.weight.dtype}, not float32"
+    if any(cache.dtype != torch.float32 for pair in kv_caches for cache in pair):
+        return "the KV cache is not float32"
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_up_proj, layer.mlp.down_proj):  # fmt: skip
+            if not isinstance(getattr(linear, "linear_method", None), CpuInt4Method):
+                return "its linears are not all int4 (--quantization int4)"
+    if not isinstance(model.lm_head.linear_method, CpuInt8Method):
+        return "the LM head is not int8"
+    if args.hidden_size % 32 or args.intermediate_size % 32 or args.head_dim % 2:
+        return "hidden or intermediate sizes not multiples of 32"
+    if native_build.library() is None:
+        return "the native kernels could not be built (no C compiler?)"
+    return None
+
+
+class NativeDecode:
+    """The native decode step of one ``LlamaForCausalLM`` (int4 linears) over its KV cache."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int) -> None:
+        args = model.args
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.layers: list[dict[str, Any]] = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                {
+                    "qkv": Q4Weight(attn.qkv_proj.weight.data, attn.qkv_proj.bias),
+                    "o": Q4Weight(attn.o_proj.weight.data, None),
+                    "gate_up": Q4Weight(mlp.gate_up_proj.weight.data, None),
+                    "down": Q4Weight(mlp.down_proj.weight.data, None),
+                    "input_norm": layer.input_layernorm.weight.data.contiguous(),
+                    "post_norm": layer.post_attention_layernorm.weight.data.contiguous(),
+                    "q_norm": None if attn.q_norm is None else attn.q_norm.weight.data,
+                    "k_norm": None if attn.k_norm is None else attn.k_norm.weight.data,
+                }
+            )
+        head = model.lm_head
+        self.lm_q = head.qweight.contiguous()  # [vocab, hidden] int8
+        self.lm_scale = head.qscale.float().contiguous()  # [vocab]
+        self.embed = model.model.embed_tokens.weight.data.contiguous()  # [vocab, hidden]
+        self.cos_sin = model.rotary.cos_sin_cache.contiguous()  # [max_position, head_dim]
+        self.vocab, self.hidden = args.vocab_size, args.hidden_size
+        self._layer_structs = (_Layer * len(self.layers))()
+        for i, (weights, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            norms = [weights[name] for name in ("input_norm", "post_norm", "q_norm", "k_norm")]
+            self._layer_structs[i] = _Layer(
+                *(weights[name].struct() for name in ("qkv", "o", "gate_up", "down")),
+                *(0 if t is None else t.data_ptr() for t in norms),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+            )
+        self._struct = _Model(
+            args.hidden_size, args.intermediate_size, model.model.layers[0].self_attn.num_heads,
+            model.model.layers[0].self_attn.num_kv_heads, args.head_dim, args.vocab_size,
+            block_size, len(self.layers), self.cos_sin.shape[0],
+            args.rms_norm_eps, args.attention_scale,
+            self.embed.data_ptr(), model.model.norm.weight.data.data_ptr(),
+            self.lm_q.data_ptr(), self.lm_scale.data_ptr(), self.cos_sin.data_ptr(),
+            self._layer_structs,
+        )  # fmt: skip
+        function = native_build.library().vt_decode_step  # type: ignore[union-attr]
+        function.argtypes = [_P, _I, _P, _P, _P, _P, _I, _P, _P, _P]
+        function.restype = ctypes.c_int
+        self._step = function
+
+    def __call__(
+        self,
+        input_ids: np.ndarray | torch.Tensor,  # [num_reqs] int
+        positions: np.ndarray,  # [num_reqs]
+        seq_lens: np.ndarray,  # [num_reqs]: tokens after this step
+        block_tables: np.ndarray,  # [num_reqs, max_num_blocks] 0-padded
+        slot_mapping: np.ndarray,  # [num_reqs]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [num_reqs, vocab] float32, hidden [num_reqs, hidden])`` of a
+        decode-only step, its K/V written. Raises ValueError for what the kernel refuses."""
+        ids = torch.as_tensor(input_ids).to(torch.int64).contiguous()
+        num_reqs = ids.shape[0]
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        lens = np.ascontiguousarray(seq_lens, dtype=np.int64)
+        tables = np.ascontiguousarray(block_tables, dtype=np.int64)
+        slots = np.ascontiguousarray(slot_mapping, dtype=np.int64)
+        logits = torch.empty(num_reqs, self.vocab, dtype=torch.float32)
+        hidden = torch.empty(num_reqs, self.hidden, dtype=torch.float32)
+        status = self._step(
+            ctypes.addressof(self._struct), num_reqs, ids.data_ptr(), pos.ctypes.data,
+            slots.ctypes.data, tables.ctypes.data, tables.shape[1], lens.ctypes.data,
+            logits.data_ptr(), hidden.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(
+                f"the native decode step refused {num_reqs} requests (status {status}: -1 a "
+                "token id or position out of range or a shape it does not take, -2 no memory)"
+            )
+        return logits, hidden
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantisation of ``x [R, k]`` float32, per group of 32:
+    ``(q [R, k / 32, 32] in -127..127 (as float32), d [R, k / 32], sum [R, k / 32])`` with
+    ``q = round(x / d)`` (half to even), ``d = max|x| / 127``, ``sum`` of the float x."""
+    groups = x.reshape(x.shape[0], -1, INT4_GROUP_SIZE)
+    d = groups.abs().amax(dim=-1) / 127.0  # [R, k / 32]
+    q = torch.where(d[..., None] > 0, torch.round(groups / d[..., None]), 0.0)
+    return q, d, groups.sum(dim=-1)
+
+
+def q4_linear_reference(weight: Q4Weight, x: torch.Tensor) -> torch.Tensor:
+    """``x [R, k]`` times an int4 weight as the kernel computes it: ``[R, n]``; integer
+    group dot products (exact in float32) scaled by both groups' scales, plus ``m`` times
+    each group's sum of x."""
+    q, d, sums = quantize_rows(x)
+    low, high = weight.packed & 15, weight.packed >> 4
+    nibbles = torch.cat((low, high), dim=-1).float()  # [n, k / 32, 32]
+    dots = torch.einsum("rgj,ogj->rog", q, nibbles)  # [R, n, k / 32] integers
+    y = (dots * weight.d[None] * d[:, None]).sum(-1) + sums @ weight.m.T
+    return y if weight.bias is None else y + weight.bias
+
+
+def q8_linear_reference(
+    q_weight: torch.Tensor, scale: torch.Tensor, x: torch.Tensor
+) -> torch.Tensor:
+    """The int8 LM head as the kernel computes it: ``[R, n]``."""
+    q, d, _ = quantize_rows(x)
+    w = q_weight.float().reshape(q_weight.shape[0], -1, INT4_GROUP_SIZE)  # [n, k / 32, 32]
+    dots = torch.einsum("rgj,ogj->rog", q, w)
+    return (dots * d[:, None]).sum(-1) * scale
+
+
+def reference_step(
+    native: NativeDecode,
+    kv_caches: list[KVCache],  # written as the kernel writes its own
+    input_ids: torch.Tensor,  # [num_reqs]
+    positions: torch.Tensor,  # [num_reqs]
+    seq_lens: torch.Tensor,  # [num_reqs]
+    block_tables: torch.Tensor,  # [num_reqs, max_num_blocks]
+    slot_mapping: torch.Tensor,  # [num_reqs]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``NativeDecode.__call__`` in plain torch from the same repacked weights and the
+    same activation quantisation: the kernel's reference."""
+    args = native.model.args
+    heads = native.model.model.layers[0].self_attn.num_heads
+    kv_heads = native.model.model.layers[0].self_attn.num_kv_heads
+    head_dim, eps, num_reqs = args.head_dim, args.rms_norm_eps, input_ids.shape[0]
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:  # [num_reqs, heads, head_dim]
+        cos, sin = native.cos_sin[positions].chunk(2, dim=-1)  # [num_reqs, head_dim / 2]
+        x1, x2 = x.chunk(2, dim=-1)
+        cos, sin = cos[:, None], sin[:, None]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    x = native.embed[input_ids]  # [num_reqs, hidden]
+    residual = torch.zeros_like(x)
+    for weights, (k_cache, v_cache) in zip(native.layers, kv_caches, strict=True):
+        residual = residual + x
+        qkv = q4_linear_reference(weights["qkv"], norm(residual, weights["input_norm"]))
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        q = q.reshape(num_reqs, heads, head_dim)
+        k = k.reshape(num_reqs, kv_heads, head_dim)
+        if weights["q_norm"] is not None:
+            q, k = norm(q, weights["q_norm"]), norm(k, weights["k_norm"])
+        q, k = rotate(q), rotate(k)
+        k_cache.view(-1, kv_heads, head_dim)[slot_mapping] = k
+        v_cache.view(-1, kv_heads, head_dim)[slot_mapping] = v.reshape(num_reqs, kv_heads, -1)
+        outs = []
+        for r in range(num_reqs):
+            length = int(seq_lens[r])
+            blocks = block_tables[r, : (length + native.block_size - 1) // native.block_size]
+            keys = k_cache[blocks].flatten(0, 1)[:length]  # [len, kv_heads, head_dim]
+            values = v_cache[blocks].flatten(0, 1)[:length]
+            keys = keys.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+            values = values.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+            scores = (q[r][:, None] @ keys.transpose(1, 2)) * args.attention_scale
+            outs.append((scores.softmax(-1) @ values).reshape(-1))  # [heads * head_dim]
+        x = q4_linear_reference(weights["o"], torch.stack(outs))
+        residual = residual + x
+        gate_up = q4_linear_reference(weights["gate_up"], norm(residual, weights["post_norm"]))
+        gate, up = gate_up.chunk(2, dim=-1)
+        x = q4_linear_reference(weights["down"], F.silu(gate) * up)
+    hidden = norm(residual + x, native.model.model.norm.weight)
+    return q8_linear_reference(native.lm_q, native.lm_scale, hidden), hidden
+
+
+def try_native_decode(
+    model: torch.nn.Module, kv_caches: list[KVCache], block_size: int, is_gpu: bool
+) -> NativeDecode | None:
+    """The native decode step, or None with a log line saying why not."""
+    if is_gpu:
+        return None
+    reason = native_reason(model, kv_caches)
+    if reason is not None:
+        logger.info("CPU decode steps without the native step: %s", reason)
+        return None
+    started = time.monotonic()
+    native = NativeDecode(model, kv_caches, block_size)  # type: ignore[arg-type]
+    logger.info(
+        "native CPU decode step for 1-%d requests (worker/cpu_native_decode.py; "
+        "VT_CPU_NATIVE_DECODE=off turns it off), weights repacked in %.1fs",
+        MAX_NATIVE_ROWS,
+        time.monotonic() - started,
+    )
+    return native

@@ -1,0 +1,435 @@
+/* Native CPU kernels of vtllm's workers (built at first use by worker/native_build.py,
+   called through ctypes). Two entry points:
+
+   vt_decode_attention_f32  one query token per request over its paged float32 KV cache
+                            (worker/cpu_decode_kernel.py; the compiled decode step's
+                            attention for 1-2 requests)
+   vt_decode_step           a whole decode step of a Llama-family model whose linears are
+                            int4 (GGUF Q4_1 layout) and whose LM head is int8: embedding,
+                            every layer, final norm and logits in one call
+                            (worker/cpu_native_decode.py, which holds the torch reference)
+
+   The products are integer dot products, as llama.cpp's: each activation row is quantised
+   per group of 32 to int8 with one float scale (``quantize_rows``), the int4 / int8
+   weights are multiplied with it in int32 (AVX2 ``maddubs``/``madd`` where -march=native
+   has it, plain C elsewhere: the same integers), and each group's integer sum is scaled
+   in float32. OpenMP threads (torch's own libgomp: same soname, one runtime, torch's
+   thread count) share out output rows. Every output element is reduced in a fixed order
+   by one thread, whatever the batch size or thread count: a request's logits do not
+   depend on what it is batched with. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GROUP 32
+#define MAX_HEAD_DIM 512
+#define MAX_BLOCK 256
+#define ROW_TILE 8 /* activation rows that share one unpacked weight group (at most) */
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VT_AVX2 1
+#endif
+
+/* ---------------------------------------------------------------- attention */
+
+/* One request r and KV head h: out[g] = softmax(q_g . K^T * scale) V for the G query heads
+   g that share it, walking the request's keys block by block through its table with an
+   online softmax rescaled once a block (scores of one block held, never the whole row). */
+static void attend_one(const float *qh, const float *k_cache, const float *v_cache,
+                       const int64_t *table, int64_t seq_len, float *out, int64_t G,
+                       int64_t KVH, int64_t D, int64_t BS, int64_t h, float scale) {
+    const int64_t token = KVH * D;
+    float acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][MAX_BLOCK];
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        memset(acc[g], 0, D * sizeof(float));
+    }
+    for (int64_t first = 0; first < seq_len; first += BS) { /* one block */
+        const int64_t n = seq_len - first < BS ? seq_len - first : BS;
+        const float *kb = k_cache + table[first / BS] * BS * token + h * D;
+        const float *vb = v_cache + table[first / BS] * BS * token + h * D;
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qh + g * D;
+            float block_max = m[g];
+            for (int64_t j = 0; j < n; j++) {
+                const float *kt = kb + j * token;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; d++) dot += qg[d] * kt[d];
+                s[g][j] = dot * scale;
+                block_max = s[g][j] > block_max ? s[g][j] : block_max;
+            }
+            const float old = expf(m[g] - block_max); /* rescale once a block */
+            m[g] = block_max;
+            l[g] *= old;
+            float *a = acc[g];
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) a[d] *= old;
+            for (int64_t j = 0; j < n; j++) {
+                const float p = expf(s[g][j] - block_max);
+                const float *vt = vb + j * token;
+                l[g] += p;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) a[d] += p * vt[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int64_t d = 0; d < D; d++) out[g * D + d] = acc[g][d] * inv;
+    }
+}
+
+static int attention_shape_ok(int64_t H, int64_t KVH, int64_t D, int64_t BS) {
+    return KVH > 0 && H % KVH == 0 && H / KVH <= MAX_GROUP && D <= MAX_HEAD_DIM &&
+           BS <= MAX_BLOCK;
+}
+
+/* q [R, H, D] (row stride q_stride), k_new / v_new [R, KVH, D] (row strides), caches
+   [NB, BS, KVH, D] contiguous, slots [R], tables [R, table_stride], seq_lens [R],
+   out [R, H, D] contiguous. Single-threaded. Returns 0, or -1 for a shape it does not
+   take. */
+int vt_decode_attention_f32(const float *q, int64_t q_stride, const float *k_new,
+                            int64_t k_stride, const float *v_new, int64_t v_stride,
+                            float *k_cache, float *v_cache, const int64_t *slots,
+                            const int64_t *tables, int64_t table_stride,
+                            const int64_t *seq_lens, float *out, int64_t R, int64_t H,
+                            int64_t KVH, int64_t D, int64_t BS, float scale) {
+    if (!attention_shape_ok(H, KVH, D, BS)) return -1;
+    const int64_t G = H / KVH, token = KVH * D;
+    for (int64_t r = 0; r < R; r++) { /* the step's keys and values into the cache */
+        memcpy(k_cache + slots[r] * token, k_new + r * k_stride, token * sizeof(float));
+        memcpy(v_cache + slots[r] * token, v_new + r * v_stride, token * sizeof(float));
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t h = 0; h < KVH; h++)
+            attend_one(q + r * q_stride + h * G * D, k_cache, v_cache,
+                       tables + r * table_stride, seq_lens[r], out + (r * H + h * G) * D, G,
+                       KVH, D, BS, h, scale);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- decode step */
+
+typedef struct {
+    const uint8_t *q;  /* [n, k / 32, 16]: byte j of a group holds its element j in the low
+                          nibble and j + 16 in the high one (GGUF Q4_1) */
+    const float *d;    /* [n, k / 32]: element = nibble * d + m */
+    const float *m;    /* [n, k / 32] */
+    const float *bias; /* [n] or NULL */
+    int64_t n, k;
+} vt_q4;
+
+typedef struct {
+    vt_q4 qkv, o, gate_up, down;
+    const float *input_norm, *post_norm; /* [hidden] */
+    const float *q_norm, *k_norm;        /* [head_dim], or NULL (no q/k norm) */
+    float *k_cache, *v_cache;            /* [blocks, block_size, kv_heads, head_dim] */
+} vt_layer;
+
+typedef struct {
+    int64_t hidden, inter, heads, kv_heads, head_dim, vocab, block_size, num_layers;
+    int64_t max_position;
+    float eps, scale;
+    const float *embed;      /* [vocab, hidden] */
+    const float *final_norm; /* [hidden] */
+    const int8_t *lm_q;      /* [vocab, hidden] */
+    const float *lm_scale;   /* [vocab]: logit = scale * (q . x) */
+    const float *cos_sin;    /* [max_position, head_dim]: cos | sin */
+    const vt_layer *layers;  /* [num_layers] */
+} vt_model;
+
+/* Activation rows quantised per group of 32: q = round(x / d) in -127..127 with
+   d = max|x| / 127 (round half to even), and the group's float sum (for Q4_1's m). */
+typedef struct {
+    int8_t *q;  /* [R, k] */
+    float *d;   /* [R, k / 32] */
+    float *sum; /* [R, k / 32] */
+    int64_t k;
+} vt_qrows;
+
+static void quantize_rows(const float *x, int64_t R, int64_t k, vt_qrows *out) {
+    out->k = k;
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < k / 32; g++) {
+            const float *xg = x + r * k + g * 32;
+            float amax = 0.0f, sum = 0.0f;
+            for (int j = 0; j < 32; j++) {
+                amax = fabsf(xg[j]) > amax ? fabsf(xg[j]) : amax;
+                sum += xg[j];
+            }
+            const float d = amax / 127.0f;
+            int8_t *q = out->q + r * k + g * 32;
+            for (int j = 0; j < 32; j++) q[j] = d > 0.0f ? (int8_t)nearbyintf(xg[j] / d) : 0;
+            out->d[r * (k / 32) + g] = d;
+            out->sum[r * (k / 32) + g] = sum;
+        }
+}
+
+#ifdef VT_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* y[r, o] = x[r] . W[o] (+ bias[o]) for r < R, o < n: W int4 (Q4_1 groups), x quantised;
+   called inside a parallel region, output rows shared out among its threads. */
+/* out[t] = sum over groups of d * (nibbles . x[r0 + t]) for t < ROWS: one output row of
+   an int4 weight against ROWS activation rows (ROWS a constant at each call: the
+   accumulators stay in registers). */
+static inline __attribute__((always_inline)) void q4_row_tile(
+    const uint8_t *qo, const float *d, int64_t G, const vt_qrows *x, int64_t r0,
+    const int ROWS, float *out) {
+    const int64_t k = x->k;
+#ifdef VT_AVX2
+    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc[ROW_TILE];
+    for (int t = 0; t < ROWS; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(qo + g * 16));
+        /* bytes 0..15: elements 0..15 (low nibbles); 16..31: elements 16..31 */
+        const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4);
+        const __m256 dw = _mm256_set1_ps(d[g]);
+        for (int t = 0; t < ROWS; t++) {
+            const int64_t r = r0 + t;
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + r * k + g * 32));
+            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xq), ones);
+            const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dw);
+            acc[t] = _mm256_fmadd_ps(scaled, _mm256_set1_ps(x->d[r * G + g]), acc[t]);
+        }
+    }
+    for (int t = 0; t < ROWS; t++) out[t] = hsum8(acc[t]);
+#else
+    for (int t = 0; t < ROWS; t++) out[t] = 0.0f;
+    for (int64_t g = 0; g < G; g++)
+        for (int t = 0; t < ROWS; t++) {
+            const int64_t r = r0 + t;
+            const int8_t *xq = x->q + r * k + g * 32;
+            int32_t dot = 0;
+            for (int j = 0; j < 16; j++)
+                dot += (qo[g * 16 + j] & 15) * xq[j] + (qo[g * 16 + j] >> 4) * xq[16 + j];
+            out[t] += (float)dot * d[g] * x->d[r * G + g];
+        }
+#endif
+}
+
+/* y[r, o] = x[r] . W[o] (+ bias[o]) for r < R, o < n: W int4 (Q4_1 groups), x quantised;
+   called inside a parallel region, output rows shared out among its threads. */
+static void q4_linear(const vt_q4 *w, const vt_qrows *x, int64_t R, float *y) {
+    const int64_t G = w->k / 32, n = w->n;
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < n; o++) {
+        const uint8_t *qo = w->q + o * G * 16;
+        const float *d = w->d + o * G, *m = w->m + o * G;
+        for (int64_t r0 = 0; r0 < R; r0 += ROW_TILE) {
+            const int64_t rows = R - r0 < ROW_TILE ? R - r0 : ROW_TILE;
+            float out[ROW_TILE];
+            switch (rows) {
+            case 1: q4_row_tile(qo, d, G, x, r0, 1, out); break;
+            case 2: q4_row_tile(qo, d, G, x, r0, 2, out); break;
+            case 3: q4_row_tile(qo, d, G, x, r0, 3, out); break;
+            case 4: q4_row_tile(qo, d, G, x, r0, 4, out); break;
+            case 5: q4_row_tile(qo, d, G, x, r0, 5, out); break;
+            case 6: q4_row_tile(qo, d, G, x, r0, 6, out); break;
+            case 7: q4_row_tile(qo, d, G, x, r0, 7, out); break;
+            default: q4_row_tile(qo, d, G, x, r0, 8, out); break;
+            }
+            for (int64_t t = 0; t < rows; t++) { /* + sum over groups of m * sum(x) */
+                const float *sum = x->sum + (r0 + t) * G;
+                float mins = 0.0f;
+#pragma omp simd reduction(+ : mins)
+                for (int64_t g = 0; g < G; g++) mins += m[g] * sum[g];
+                y[(r0 + t) * n + o] = out[t] + mins + (w->bias ? w->bias[o] : 0.0f);
+            }
+        }
+    }
+}
+
+/* logits[r, o] = scale[o] * (q[o] . x[r]): the int8 LM head, x quantised, inside a
+   parallel region. */
+static void q8_linear(const int8_t *q, const float *scale, int64_t n, const vt_qrows *x,
+                      int64_t R, float *y) {
+    const int64_t k = x->k, G = k / 32;
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < n; o++) {
+        const int8_t *qo = q + o * k;
+        for (int64_t r = 0; r < R; r++) {
+            const int8_t *xq = x->q + r * k;
+            const float *xd = x->d + r * G;
+#ifdef VT_AVX2
+            const __m256i ones = _mm256_set1_epi16(1);
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t g = 0; g < G; g++) {
+                const __m256i wq = _mm256_loadu_si256((const __m256i *)(qo + g * 32));
+                const __m256i xg = _mm256_loadu_si256((const __m256i *)(xq + g * 32));
+                /* maddubs wants an unsigned operand: |x| times w carrying x's sign */
+                const __m256i dot = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(_mm256_sign_epi8(xg, xg), _mm256_sign_epi8(wq, xg)), ones);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xd[g]), acc);
+            }
+            y[r * n + o] = hsum8(acc) * scale[o];
+#else
+            float acc = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                int32_t dot = 0;
+                for (int j = 0; j < 32; j++) dot += qo[g * 32 + j] * xq[g * 32 + j];
+                acc += (float)dot * xd[g];
+            }
+            y[r * n + o] = acc * scale[o];
+#endif
+        }
+    }
+}
+
+/* y [R, n] = x [R, k] times one int4 weight, as inside the step (quantised x, all threads):
+   the product alone, for tests and benchmarks. Returns -2 when out of memory. */
+int vt_q4_linear(const vt_q4 *w, const float *x, int64_t R, float *y) {
+    vt_qrows xq = {malloc(R * w->k), malloc(sizeof(float) * R * w->k / 32),
+                   malloc(sizeof(float) * R * w->k / 32), 0};
+    int status = xq.q && xq.d && xq.sum ? 0 : -2;
+    if (status == 0) {
+        quantize_rows(x, R, w->k, &xq);
+#pragma omp parallel
+        q4_linear(w, &xq, R, y);
+    }
+    free(xq.q), free(xq.d), free(xq.sum);
+    return status;
+}
+
+/* logits [R, n] of the int8 LM head for hidden states x [R, k], as inside the step. */
+int vt_q8_linear(const int8_t *q, const float *scale, int64_t n, int64_t k, const float *x,
+                 int64_t R, float *y) {
+    vt_qrows xq = {malloc(R * k), malloc(sizeof(float) * R * k / 32),
+                   malloc(sizeof(float) * R * k / 32), 0};
+    int status = xq.q && xq.d && xq.sum ? 0 : -2;
+    if (status == 0) {
+        quantize_rows(x, R, k, &xq);
+#pragma omp parallel
+        q8_linear(q, scale, n, &xq, R, y);
+    }
+    free(xq.q), free(xq.d), free(xq.sum);
+    return status;
+}
+
+/* out = rms_norm(x) * w over n elements (the torch reference's order: float32, mean of
+   squares, rsqrt, then the weight). */
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
+}
+
+/* Rotate-half (NeoX) rotary of one head in place by the table row cos | sin. */
+static void rotate(float *x, const float *cos_sin, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float c = cos_sin[i], s = cos_sin[half + i], x1 = x[i], x2 = x[half + i];
+        x[i] = x1 * c - x2 * s;
+        x[half + i] = x2 * c + x1 * s;
+    }
+}
+
+static float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* One decode step of R requests: token ids [R] at positions [R], each written at slots[r]
+   and attending over seq_lens[r] keys through tables [R, table_stride]. Writes logits
+   [R, vocab] and the final normed hidden states [R, hidden]. Returns 0, -1 for a shape it
+   does not take, -2 when out of memory. */
+int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
+                   const int64_t *positions, const int64_t *slots, const int64_t *tables,
+                   int64_t table_stride, const int64_t *seq_lens, float *logits,
+                   float *hidden_out) {
+    const int64_t Hd = model->hidden, I = model->inter, H = model->heads;
+    const int64_t KVH = model->kv_heads, D = model->head_dim, BS = model->block_size;
+    if (!attention_shape_ok(H, KVH, D, BS) || Hd % 32 || I % 32 || (H * D) % 32 || D % 2)
+        return -1;
+    for (int64_t r = 0; r < R; r++)
+        if (ids[r] < 0 || ids[r] >= model->vocab || positions[r] < 0 ||
+            positions[r] >= model->max_position)
+            return -1;
+    const int64_t G = H / KVH, qkv_width = (H + 2 * KVH) * D, token = KVH * D;
+    float *x = malloc(sizeof(float) * R * Hd), *residual = malloc(sizeof(float) * R * Hd);
+    float *h = malloc(sizeof(float) * R * (Hd > H * D ? Hd : H * D));
+    float *qkv = malloc(sizeof(float) * R * qkv_width), *attn = malloc(sizeof(float) * R * H * D);
+    float *gate_up = malloc(sizeof(float) * R * 2 * I), *act = malloc(sizeof(float) * R * I);
+    const int64_t k_max = I > Hd ? (I > H * D ? I : H * D) : (Hd > H * D ? Hd : H * D);
+    vt_qrows xq = {malloc(R * k_max), malloc(sizeof(float) * R * k_max / 32),
+                   malloc(sizeof(float) * R * k_max / 32), 0};
+    int status = 0;
+    if (!x || !residual || !h || !qkv || !attn || !gate_up || !act || !xq.q || !xq.d || !xq.sum) {
+        status = -2;
+        goto done;
+    }
+    for (int64_t r = 0; r < R; r++) {
+        memcpy(x + r * Hd, model->embed + ids[r] * Hd, sizeof(float) * Hd);
+        memset(residual + r * Hd, 0, sizeof(float) * Hd);
+    }
+#pragma omp parallel
+    for (int64_t li = 0; li < model->num_layers; li++) {
+        const vt_layer *L = model->layers + li;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) { /* residual += x; h = norm(residual) */
+            for (int64_t i = 0; i < Hd; i++) residual[r * Hd + i] += x[r * Hd + i];
+            rms_norm(residual + r * Hd, L->input_norm, Hd, model->eps, h + r * Hd);
+        }
+#pragma omp single
+        quantize_rows(h, R, Hd, &xq);
+        q4_linear(&L->qkv, &xq, R, qkv);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) { /* q/k norm, rotary, the K/V write */
+            float *row = qkv + r * qkv_width;
+            const float *cs = model->cos_sin + positions[r] * D;
+            for (int64_t head = 0; head < H + KVH; head++) {
+                float *v = row + head * D;
+                const float *w = head < H ? L->q_norm : L->k_norm;
+                if (w) rms_norm(v, w, D, model->eps, v);
+                rotate(v, cs, D);
+            }
+            memcpy(L->k_cache + slots[r] * token, row + H * D, sizeof(float) * token);
+            memcpy(L->v_cache + slots[r] * token, row + (H + KVH) * D, sizeof(float) * token);
+        }
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t kh = 0; kh < KVH; kh++)
+                attend_one(qkv + r * qkv_width + kh * G * D, L->k_cache, L->v_cache,
+                           tables + r * table_stride, seq_lens[r], attn + (r * H + kh * G) * D,
+                           G, KVH, D, BS, kh, model->scale);
+#pragma omp single
+        quantize_rows(attn, R, H * D, &xq);
+        q4_linear(&L->o, &xq, R, x);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) {
+            for (int64_t i = 0; i < Hd; i++) residual[r * Hd + i] += x[r * Hd + i];
+            rms_norm(residual + r * Hd, L->post_norm, Hd, model->eps, h + r * Hd);
+        }
+#pragma omp single
+        quantize_rows(h, R, Hd, &xq);
+        q4_linear(&L->gate_up, &xq, R, gate_up);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t i = 0; i < I; i++)
+                act[r * I + i] = silu(gate_up[r * 2 * I + i]) * gate_up[r * 2 * I + I + i];
+#pragma omp single
+        quantize_rows(act, R, I, &xq);
+        q4_linear(&L->down, &xq, R, x);
+    }
+    for (int64_t r = 0; r < R; r++) {
+        for (int64_t i = 0; i < Hd; i++) residual[r * Hd + i] += x[r * Hd + i];
+        rms_norm(residual + r * Hd, model->final_norm, Hd, model->eps, hidden_out + r * Hd);
+    }
+    quantize_rows(hidden_out, R, Hd, &xq);
+#pragma omp parallel
+    q8_linear(model->lm_q, model->lm_scale, model->vocab, &xq, R, logits);
+done:
+    free(x), free(residual), free(h), free(qkv), free(attn), free(gate_up), free(act);
+    free(xq.q), free(xq.d), free(xq.sum);
+    return status;
+}
