@@ -51,11 +51,12 @@ def test_q4_repacking_keeps_the_int4_weights():
 @pytest.mark.parametrize("num_rows", [1, 3, 8, 13])
 @pytest.mark.parametrize("bias", [False, True])
 def test_products_match_their_references(num_rows, bias):
-    """int4 and int8 products (all row-tile sizes, a tail) as their torch references
-    compute them, to float32 rounding: the same quantised activations, integer dots."""
+    """int4 and int8 products (tiles of 8 rows and rows alone) as their torch references
+    compute them, to float32 rounding (the same quantised activations, integer dots), and
+    each row's result the same bits as when it is multiplied alone."""
     torch.manual_seed(num_rows)
-    weight = torch.randn(80, 192) * 0.05
-    x = torch.randn(num_rows, 192)
+    weight = torch.randn(80, 320) * 0.05  # 10 groups of 32: a block of 8 and a tail
+    x = torch.randn(num_rows, 320)
     q4 = Q4Weight(weight, torch.randn(80) if bias else None)
     got = cpu_native_decode.q4_linear(q4, x)
     torch.testing.assert_close(
@@ -65,11 +66,15 @@ def test_products_match_their_references(num_rows, bias):
     torch.testing.assert_close(
         got, x @ q4.dequantised().T + (0 if q4.bias is None else q4.bias), atol=0.05, rtol=0
     )
+    for r in range(num_rows):  # batch-invariant: each row alone, bit for bit
+        assert torch.equal(cpu_native_decode.q4_linear(q4, x[r : r + 1]), got[r : r + 1])
     q8, scale, _ = cpu_quant.quantize_int8(weight)
     scale = scale.float()
     got = cpu_native_decode.q8_linear(q8, scale, x)
     want = cpu_native_decode.q8_linear_reference(q8, scale, x)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    for r in range(num_rows):
+        assert torch.equal(cpu_native_decode.q8_linear(q8, scale, x[r : r + 1]), got[r : r + 1])
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen3", "qwen2"])
@@ -122,17 +127,20 @@ def test_native_step_matches_its_torch_reference(tmp_path, kind):
 
 
 def test_logits_do_not_depend_on_the_batch(tmp_path):
-    """One request's logits alone and beside five others: bit for bit (each output is
-    reduced in a fixed order by one thread)."""
+    """Requests alone and among ten (a tile of 8 rows and two rows on their own): bit for
+    bit the same logits (each output is reduced in a fixed order, the same in a tile)."""
     make_hf_model("llama", tmp_path)
     runner = _runner(tmp_path)
     native = NativeDecode(runner.model, runner.kv_caches, BLOCK_SIZE)
-    tables = np.arange(24).reshape(6, 4)
+    tables = np.arange(30).reshape(10, 3)
     slots = tables[:, 0] * BLOCK_SIZE
-    ones = np.ones(6, dtype=np.int64)
-    batched, _ = native(np.arange(10, 16), ones - 1, ones, tables, slots)
-    alone, _ = native(np.array([10]), ones[:1] - 1, ones[:1], tables[:1], slots[:1])
-    assert torch.equal(batched[:1], alone)
+    ones = np.ones(10, dtype=np.int64)
+    batched, _ = native(np.arange(10, 20), ones - 1, ones, tables, slots)
+    for r in (0, 7, 9):
+        alone, _ = native(
+            np.array([10 + r]), ones[:1] - 1, ones[:1], tables[r : r + 1], slots[r : r + 1]
+        )
+        assert torch.equal(batched[r : r + 1], alone)
 
 
 def test_out_of_range_ids_are_refused(tmp_path):

@@ -61,7 +61,7 @@ _I = ctypes.c_int64
 
 
 class _Q4(ctypes.Structure):
-    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("bias", _P), ("n", _I), ("k", _I)]
+    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("d8", _P), ("bias", _P), ("n", _I), ("k", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -85,7 +85,9 @@ class _Model(ctypes.Structure):
 class Q4Weight:
     """One linear layer's int4 weight in the kernel's layout: ``packed [n, k / 32, 16]
     uint8`` (byte j of a group: element j low nibble, j + 16 high), ``d`` and ``m``
-    ``[n, k / 32]`` float32 (``w = nibble * d + m``), ``bias [n]`` float32 or None."""
+    ``[n, k / 32]`` float32 (``w = nibble * d + m``), ``d8 [n / 8, k / 32, 8]`` (``d``
+    of each block of 8 rows, group-major), ``bias [n]`` float32 or None; ``n`` a multiple
+    of 8 (``cpu_quant.int4_supported``: of 16)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         n, k = weight.shape
@@ -96,6 +98,8 @@ class Q4Weight:
         scale, zero = scale_zero.float().transpose(0, 1).unbind(-1)  # [n, k / 32] each
         self.d = scale.contiguous()
         self.m = (zero - 8.0 * scale).contiguous()
+        groups = k // INT4_GROUP_SIZE  # d of each block of 8 rows, group-major (the kernel's)
+        self.d8 = self.d.view(n // 8, 8, groups).transpose(1, 2).contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.n, self.k = n, k
 
@@ -109,8 +113,9 @@ class Q4Weight:
     def struct(self) -> _Q4:
         bias = 0 if self.bias is None else self.bias.data_ptr()
         return _Q4(
-            self.packed.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), bias, self.n, self.k
-        )
+            self.packed.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), self.d8.data_ptr(),
+            bias, self.n, self.k,
+        )  # fmt: skip
 
 
 def q4_linear(weight: Q4Weight, x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,6 @@
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 512
 #define MAX_BLOCK 256
-#define ROW_TILE 8 /* activation rows that share one unpacked weight group (at most) */
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -120,8 +119,9 @@ typedef struct {
                           nibble and j + 16 in the high one (GGUF Q4_1) */
     const float *d;    /* [n, k / 32]: element = nibble * d + m */
     const float *m;    /* [n, k / 32] */
+    const float *d8;   /* [n / 8, k / 32, 8]: d of each block of 8 rows, group-major */
     const float *bias; /* [n] or NULL */
-    int64_t n, k;
+    int64_t n, k;      /* n a multiple of 8 */
 } vt_q4;
 
 typedef struct {
@@ -149,8 +149,19 @@ typedef struct {
     int8_t *q;  /* [R, k] */
     float *d;   /* [R, k / 32] */
     float *sum; /* [R, k / 32] */
+    float *d8;  /* [R / 8, k / 32, 8]: d of each whole tile of 8 rows, group-major */
     int64_t k;
 } vt_qrows;
+
+static vt_qrows alloc_qrows(int64_t R, int64_t k) {
+    vt_qrows x = {malloc(R * k), malloc(sizeof(float) * R * k / 32),
+                  malloc(sizeof(float) * R * k / 32), malloc(sizeof(float) * (R + 8) * k / 32), 0};
+    return x;
+}
+
+static int qrows_ok(const vt_qrows *x) { return x->q && x->d && x->sum && x->d8; }
+
+static void free_qrows(vt_qrows *x) { free(x->q), free(x->d), free(x->sum), free(x->d8); }
 
 static void quantize_rows(const float *x, int64_t R, int64_t k, vt_qrows *out) {
     out->k = k;
@@ -167,6 +178,7 @@ static void quantize_rows(const float *x, int64_t R, int64_t k, vt_qrows *out) {
             for (int j = 0; j < 32; j++) q[j] = d > 0.0f ? (int8_t)nearbyintf(xg[j] / d) : 0;
             out->d[r * (k / 32) + g] = d;
             out->sum[r * (k / 32) + g] = sum;
+            out->d8[((r / 8) * (k / 32) + g) * 8 + r % 8] = d;
         }
 }
 
@@ -179,111 +191,199 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* y[r, o] = x[r] . W[o] (+ bias[o]) for r < R, o < n: W int4 (Q4_1 groups), x quantised;
-   called inside a parallel region, output rows shared out among its threads. */
-/* out[t] = sum over groups of d * (nibbles . x[r0 + t]) for t < ROWS: one output row of
-   an int4 weight against ROWS activation rows (ROWS a constant at each call: the
-   accumulators stay in registers). */
-static inline __attribute__((always_inline)) void q4_row_tile(
-    const uint8_t *qo, const float *d, int64_t G, const vt_qrows *x, int64_t r0,
-    const int ROWS, float *out) {
-    const int64_t k = x->k;
 #ifdef VT_AVX2
-    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    __m256 acc[ROW_TILE];
-    for (int t = 0; t < ROWS; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        const __m128i b = _mm_loadu_si128((const __m128i *)(qo + g * 16));
-        /* bytes 0..15: elements 0..15 (low nibbles); 16..31: elements 16..31 */
-        const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4);
-        const __m256 dw = _mm256_set1_ps(d[g]);
-        for (int t = 0; t < ROWS; t++) {
-            const int64_t r = r0 + t;
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + r * k + g * 32));
-            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xq), ones);
-            const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dw);
-            acc[t] = _mm256_fmadd_ps(scaled, _mm256_set1_ps(x->d[r * G + g]), acc[t]);
-        }
-    }
-    for (int t = 0; t < ROWS; t++) out[t] = hsum8(acc[t]);
-#else
-    for (int t = 0; t < ROWS; t++) out[t] = 0.0f;
-    for (int64_t g = 0; g < G; g++)
-        for (int t = 0; t < ROWS; t++) {
-            const int64_t r = r0 + t;
-            const int8_t *xq = x->q + r * k + g * 32;
-            int32_t dot = 0;
-            for (int j = 0; j < 16; j++)
-                dot += (qo[g * 16 + j] & 15) * xq[j] + (qo[g * 16 + j] >> 4) * xq[16 + j];
-            out[t] += (float)dot * d[g] * x->d[r * G + g];
-        }
+/* The 32 nibbles of one Q4_1 group as bytes 0..31 in element order: the low nibbles of the
+   16 packed bytes, then their high nibbles. */
+static inline __m256i unpack_nibbles(const uint8_t *group) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)group);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
+}
 #endif
+
+#ifdef VT_AVX2
+/* The horizontal sums of eight int32x8 vectors, as one vector (sum of d[t] in lane t). */
+static inline __m256i hsum_8x8(const __m256i *d) {
+    const __m256i a = _mm256_hadd_epi32(d[0], d[1]), b = _mm256_hadd_epi32(d[2], d[3]);
+    const __m256i c = _mm256_hadd_epi32(d[4], d[5]), e = _mm256_hadd_epi32(d[6], d[7]);
+    const __m256i ab = _mm256_hadd_epi32(a, b), ce = _mm256_hadd_epi32(c, e);
+    /* ab: lanes 0-3 rows 0-3 over elements 0-3 | lanes 4-7 rows 0-3 over 4-7; ce rows 4-7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, ce, 0x20),
+                            _mm256_permute2x128_si256(ab, ce, 0x31));
 }
 
+/* out[t] for the 8 rows r0..r0+7 (r0 a multiple of 8): each group's eight integer dots
+   reduced to one vector (lane t: row t), then scaled and accumulated once for all eight,
+   instead of converting and scaling each row's dot apart. */
+static inline void q4_tile8(const uint8_t *qo, const float *d, int64_t G, const vt_qrows *x,
+                            int64_t r0, float *out) {
+    const int64_t k = x->k;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const float *d8 = x->d8 + (r0 / 8) * G * 8;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const __m256i nib = unpack_nibbles(qo + g * 16);
+        __m256i dots[8];
+        for (int t = 0; t < 8; t++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + (r0 + t) * k + g * 32));
+            dots[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xq), ones);
+        }
+        const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(d[g]), _mm256_loadu_ps(d8 + g * 8));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum_8x8(dots)), scale, acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
+#endif
+
+/* One output row of an int4 weight against one activation row, in plain C (CPUs without
+   AVX2): the sum over groups of float(integer dot) * (d * d_x), group after group, one
+   rounding each, as the AVX2 tiles' lanes. */
+static inline float q4_dot_row(const uint8_t *qo, const float *d, int64_t G, const int8_t *xq,
+                               const float *xd) {
+    float acc = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        int32_t dot = 0;
+        for (int j = 0; j < 16; j++)
+            dot += (qo[g * 16 + j] & 15) * xq[g * 32 + j] + (qo[g * 16 + j] >> 4) * xq[g * 32 + 16 + j];
+        acc = fmaf((float)dot, d[g] * xd[g], acc);
+    }
+    return acc;
+}
+
+#ifdef VT_AVX2
+/* out[j] for the 8 weight rows o0..o0+7 against one activation row: the lanes are weight
+   rows here (one activation load a group for all eight), the same arithmetic per lane as
+   q4_tile8's lanes, which are activation rows. */
+static inline void q4_rows8(const vt_q4 *w, int64_t o0, const int8_t *xq, const float *xd,
+                            float *out) {
+    const int64_t G = w->k / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const float *d8 = w->d8 + (o0 / 8) * G * 8;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + g * 32));
+        __m256i dots[8];
+        for (int j = 0; j < 8; j++) {
+            const __m256i nib = unpack_nibbles(w->q + ((o0 + j) * G + g) * 16);
+            dots[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, x), ones);
+        }
+        const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d8 + g * 8), _mm256_set1_ps(xd[g]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum_8x8(dots)), scale, acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
+#endif
+
 /* y[r, o] = x[r] . W[o] (+ bias[o]) for r < R, o < n: W int4 (Q4_1 groups), x quantised;
-   called inside a parallel region, output rows shared out among its threads. */
+   called inside a parallel region, blocks of 8 output rows shared out among its threads.
+   Whole tiles of 8 activation rows go through q4_tile8 (one weight load for eight rows),
+   the other rows through q4_rows8 (one activation load for eight weight rows): every
+   (o, r) accumulates float(dot_g) * (d_g * d_x,g) group after group, so a request's
+   outputs do not depend on its batch. */
 static void q4_linear(const vt_q4 *w, const vt_qrows *x, int64_t R, float *y) {
-    const int64_t G = w->k / 32, n = w->n;
+    const int64_t G = w->k / 32, n = w->n, k = w->k;
 #pragma omp for schedule(static)
-    for (int64_t o = 0; o < n; o++) {
-        const uint8_t *qo = w->q + o * G * 16;
-        const float *d = w->d + o * G, *m = w->m + o * G;
-        for (int64_t r0 = 0; r0 < R; r0 += ROW_TILE) {
-            const int64_t rows = R - r0 < ROW_TILE ? R - r0 : ROW_TILE;
-            float out[ROW_TILE];
-            switch (rows) {
-            case 1: q4_row_tile(qo, d, G, x, r0, 1, out); break;
-            case 2: q4_row_tile(qo, d, G, x, r0, 2, out); break;
-            case 3: q4_row_tile(qo, d, G, x, r0, 3, out); break;
-            case 4: q4_row_tile(qo, d, G, x, r0, 4, out); break;
-            case 5: q4_row_tile(qo, d, G, x, r0, 5, out); break;
-            case 6: q4_row_tile(qo, d, G, x, r0, 6, out); break;
-            case 7: q4_row_tile(qo, d, G, x, r0, 7, out); break;
-            default: q4_row_tile(qo, d, G, x, r0, 8, out); break;
+    for (int64_t o0 = 0; o0 < n; o0 += 8) {
+        float out[8][8]; /* [weight row j][activation row t] of one tile */
+        for (int64_t r0 = 0; r0 < R; r0 += 8) {
+            const int64_t rows = R - r0 < 8 ? R - r0 : 8;
+#ifdef VT_AVX2
+            if (rows == 8) {
+                for (int j = 0; j < 8; j++)
+                    q4_tile8(w->q + (o0 + j) * G * 16, w->d + (o0 + j) * G, G, x, r0, out[j]);
+            } else {
+                for (int64_t t = 0; t < rows; t++) {
+                    float lanes[8];
+                    q4_rows8(w, o0, x->q + (r0 + t) * k, x->d + (r0 + t) * G, lanes);
+                    for (int j = 0; j < 8; j++) out[j][t] = lanes[j];
+                }
             }
-            for (int64_t t = 0; t < rows; t++) { /* + sum over groups of m * sum(x) */
-                const float *sum = x->sum + (r0 + t) * G;
-                float mins = 0.0f;
-#pragma omp simd reduction(+ : mins)
-                for (int64_t g = 0; g < G; g++) mins += m[g] * sum[g];
-                y[(r0 + t) * n + o] = out[t] + mins + (w->bias ? w->bias[o] : 0.0f);
+#else
+            for (int j = 0; j < 8; j++)
+                for (int64_t t = 0; t < rows; t++)
+                    out[j][t] = q4_dot_row(w->q + (o0 + j) * G * 16, w->d + (o0 + j) * G, G,
+                                           x->q + (r0 + t) * k, x->d + (r0 + t) * G);
+#endif
+            for (int j = 0; j < 8; j++) {
+                const int64_t o = o0 + j;
+                const float *m = w->m + o * G;
+                for (int64_t t = 0; t < rows; t++) { /* + sum over groups of m * sum(x) */
+                    const float *sum = x->sum + (r0 + t) * G;
+                    float mins = 0.0f;
+                    for (int64_t g = 0; g < G; g++) mins += m[g] * sum[g];
+                    y[(r0 + t) * n + o] = out[j][t] + mins + (w->bias ? w->bias[o] : 0.0f);
+                }
             }
         }
     }
+}
+
+#ifdef VT_AVX2
+/* The integer dot of 32 int8 weights with 32 int8 activations, as 8 int32 partial sums
+   (maddubs wants an unsigned operand: |x| times w carrying x's sign). */
+static inline __m256i q8_dot32(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x)),
+                             _mm256_set1_epi16(1));
+}
+#endif
+
+/* One int8 weight row against one quantised activation row: the sum over groups of
+   float(integer dot) * d_x, group after group with one rounding each, as a lane of
+   q8_tile8 (batch invariance, as q4_dot_row). */
+static inline float q8_dot_row(const int8_t *qo, int64_t G, const int8_t *xq, const float *xd) {
+    float acc = 0.0f;
+    int64_t g = 0;
+#ifdef VT_AVX2
+    for (; g + 8 <= G; g += 8) {
+        __m256i dots[8];
+        for (int t = 0; t < 8; t++)
+            dots[t] = q8_dot32(_mm256_loadu_si256((const __m256i *)(qo + (g + t) * 32)),
+                               _mm256_loadu_si256((const __m256i *)(xq + (g + t) * 32)));
+        float sums[8];
+        _mm256_storeu_ps(sums, _mm256_cvtepi32_ps(hsum_8x8(dots)));
+        for (int t = 0; t < 8; t++) acc = fmaf(sums[t], xd[g + t], acc);
+    }
+#endif
+    for (; g < G; g++) {
+        int32_t dot = 0;
+        for (int j = 0; j < 32; j++) dot += qo[g * 32 + j] * xq[g * 32 + j];
+        acc = fmaf((float)dot, xd[g], acc);
+    }
+    return acc;
 }
 
 /* logits[r, o] = scale[o] * (q[o] . x[r]): the int8 LM head, x quantised, inside a
-   parallel region. */
+   parallel region; rows in whole tiles of 8 share each weight load. */
 static void q8_linear(const int8_t *q, const float *scale, int64_t n, const vt_qrows *x,
                       int64_t R, float *y) {
     const int64_t k = x->k, G = k / 32;
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < n; o++) {
         const int8_t *qo = q + o * k;
-        for (int64_t r = 0; r < R; r++) {
-            const int8_t *xq = x->q + r * k;
-            const float *xd = x->d + r * G;
+        for (int64_t r0 = 0; r0 < R; r0 += 8) {
+            const int64_t rows = R - r0 < 8 ? R - r0 : 8;
 #ifdef VT_AVX2
-            const __m256i ones = _mm256_set1_epi16(1);
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t g = 0; g < G; g++) {
-                const __m256i wq = _mm256_loadu_si256((const __m256i *)(qo + g * 32));
-                const __m256i xg = _mm256_loadu_si256((const __m256i *)(xq + g * 32));
-                /* maddubs wants an unsigned operand: |x| times w carrying x's sign */
-                const __m256i dot = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(_mm256_sign_epi8(xg, xg), _mm256_sign_epi8(wq, xg)), ones);
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xd[g]), acc);
+            if (rows == 8) {
+                const float *d8 = x->d8 + (r0 / 8) * G * 8;
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t g = 0; g < G; g++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(qo + g * 32));
+                    __m256i dots[8];
+                    for (int t = 0; t < 8; t++)
+                        dots[t] = q8_dot32(w, _mm256_loadu_si256(
+                                                  (const __m256i *)(x->q + (r0 + t) * k + g * 32)));
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum_8x8(dots)),
+                                          _mm256_loadu_ps(d8 + g * 8), acc);
+                }
+                float out[8];
+                _mm256_storeu_ps(out, acc);
+                for (int t = 0; t < 8; t++) y[(r0 + t) * n + o] = out[t] * scale[o];
+                continue;
             }
-            y[r * n + o] = hsum8(acc) * scale[o];
-#else
-            float acc = 0.0f;
-            for (int64_t g = 0; g < G; g++) {
-                int32_t dot = 0;
-                for (int j = 0; j < 32; j++) dot += qo[g * 32 + j] * xq[g * 32 + j];
-                acc += (float)dot * xd[g];
-            }
-            y[r * n + o] = acc * scale[o];
 #endif
+            for (int64_t t = 0; t < rows; t++) {
+                const int64_t r = r0 + t;
+                y[r * n + o] = q8_dot_row(qo, G, x->q + r * k, x->d + r * G) * scale[o];
+            }
         }
     }
 }
@@ -291,30 +391,28 @@ static void q8_linear(const int8_t *q, const float *scale, int64_t n, const vt_q
 /* y [R, n] = x [R, k] times one int4 weight, as inside the step (quantised x, all threads):
    the product alone, for tests and benchmarks. Returns -2 when out of memory. */
 int vt_q4_linear(const vt_q4 *w, const float *x, int64_t R, float *y) {
-    vt_qrows xq = {malloc(R * w->k), malloc(sizeof(float) * R * w->k / 32),
-                   malloc(sizeof(float) * R * w->k / 32), 0};
-    int status = xq.q && xq.d && xq.sum ? 0 : -2;
+    vt_qrows xq = alloc_qrows(R, w->k);
+    int status = qrows_ok(&xq) ? 0 : -2;
     if (status == 0) {
         quantize_rows(x, R, w->k, &xq);
 #pragma omp parallel
         q4_linear(w, &xq, R, y);
     }
-    free(xq.q), free(xq.d), free(xq.sum);
+    free_qrows(&xq);
     return status;
 }
 
 /* logits [R, n] of the int8 LM head for hidden states x [R, k], as inside the step. */
 int vt_q8_linear(const int8_t *q, const float *scale, int64_t n, int64_t k, const float *x,
                  int64_t R, float *y) {
-    vt_qrows xq = {malloc(R * k), malloc(sizeof(float) * R * k / 32),
-                   malloc(sizeof(float) * R * k / 32), 0};
-    int status = xq.q && xq.d && xq.sum ? 0 : -2;
+    vt_qrows xq = alloc_qrows(R, k);
+    int status = qrows_ok(&xq) ? 0 : -2;
     if (status == 0) {
         quantize_rows(x, R, k, &xq);
 #pragma omp parallel
         q8_linear(q, scale, n, &xq, R, y);
     }
-    free(xq.q), free(xq.d), free(xq.sum);
+    free_qrows(&xq);
     return status;
 }
 
@@ -361,10 +459,9 @@ int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
     float *qkv = malloc(sizeof(float) * R * qkv_width), *attn = malloc(sizeof(float) * R * H * D);
     float *gate_up = malloc(sizeof(float) * R * 2 * I), *act = malloc(sizeof(float) * R * I);
     const int64_t k_max = I > Hd ? (I > H * D ? I : H * D) : (Hd > H * D ? Hd : H * D);
-    vt_qrows xq = {malloc(R * k_max), malloc(sizeof(float) * R * k_max / 32),
-                   malloc(sizeof(float) * R * k_max / 32), 0};
+    vt_qrows xq = alloc_qrows(R, k_max);
     int status = 0;
-    if (!x || !residual || !h || !qkv || !attn || !gate_up || !act || !xq.q || !xq.d || !xq.sum) {
+    if (!x || !residual || !h || !qkv || !attn || !gate_up || !act || !qrows_ok(&xq)) {
         status = -2;
         goto done;
     }
@@ -430,6 +527,6 @@ int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
     q8_linear(model->lm_q, model->lm_scale, model->vocab, &xq, R, logits);
 done:
     free(x), free(residual), free(h), free(qkv), free(attn), free(gate_up), free(act);
-    free(xq.q), free(xq.d), free(xq.sum);
+    free_qrows(&xq);
     return status;
 }
