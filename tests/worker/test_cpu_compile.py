@@ -84,8 +84,11 @@ def test_compiled_decode_matches_eager_without_recompiles(
     runner = _runner(tmp_path, compiled=True)
     frames = torch._dynamo.utils.counters["frames"]["ok"]
     compiled = _generate(runner, prompts, steps=9)
-    assert runner.compiled_decode is not None and runner.compiled_prompt is not None
-    assert runner.compiled_decode.group_size == min(2, max_layers_per_region)
+    assert (
+        runner.cpu_steps.compiled_decode is not None
+        and runner.cpu_steps.compiled_prompt is not None
+    )
+    assert runner.cpu_steps.compiled_decode.group_size == min(2, max_layers_per_region)
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "a step recompiled"
     for request_id in prompts:
         assert compiled.requests[request_id].token_ids == eager.requests[request_id].token_ids
@@ -115,7 +118,7 @@ def test_compiled_prompt_step_matches_eager_without_recompiles(tmp_path, compile
     runner = _runner(tmp_path, compiled=True)
     frames = torch._dynamo.utils.counters["frames"]["ok"]
     compiled = _prompt_logprobs(runner, chunked)
-    assert runner.compiled_prompt is not None
+    assert runner.cpu_steps.compiled_prompt is not None
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "a prompt step recompiled"
     _assert_same_top_logprobs(compiled, eager)
 
@@ -125,16 +128,16 @@ def test_a_failing_compiled_step_falls_back_to_eager(tmp_path, compile_on):
     prompts = {"a": [5, 6, 7], "b": [9, 10, 11, 12]}
     eager = _generate(_runner(tmp_path, compiled=False), prompts, steps=3)
     runner = _runner(tmp_path, compiled=False)
-    runner.compiled_decode = cpu_compile.CompiledDecode(runner.model, runner.kv_caches, 4)
+    runner.cpu_steps.compiled_decode = cpu_compile.CompiledDecode(runner.model, runner.kv_caches, 4)
 
     def broken(*args, **kwargs):
         raise RuntimeError("compiler bug")
 
-    runner.compiled_decode._layers = broken  # not compiled at all: the first call raises
-    runner.compiled_prompt = cpu_compile_prompt.CompiledPrompt(runner.model)
-    runner.compiled_prompt._pre = broken
+    runner.cpu_steps.compiled_decode._layers = broken  # not compiled at all: the first call raises
+    runner.cpu_steps.compiled_prompt = cpu_compile_prompt.CompiledPrompt(runner.model)
+    runner.cpu_steps.compiled_prompt._pre = broken
     fallen_back = _generate(runner, prompts, steps=3)
-    assert runner.compiled_decode is None and runner.compiled_prompt is None
+    assert runner.cpu_steps.compiled_decode is None and runner.cpu_steps.compiled_prompt is None
     for request_id in prompts:
         assert fallen_back.requests[request_id].token_ids == eager.requests[request_id].token_ids
 
@@ -155,7 +158,7 @@ def test_opt_outs_and_unsupported_models(tmp_path, monkeypatch, compile_on):
     assert cpu_compile.compile_reason(model, is_gpu=False, enforce_eager=False) is None
     monkeypatch.setenv("VT_CPU_COMPILE", "off")
     assert not runner.compile_cpu_steps(8)
-    assert runner.compiled_decode is None
+    assert runner.cpu_steps.compiled_decode is None
 
 
 def test_smollm2_greedy_tokens_unchanged(smollm2_dir, compile_on):
@@ -172,14 +175,16 @@ def test_smollm2_greedy_tokens_unchanged(smollm2_dir, compile_on):
         runner = ModelRunner.from_model_dir(smollm2_dir, torch.device("cpu"), torch.float32, seed=0)
         runner.init_kv_cache(num_blocks=64, block_size=16)
         if compiled:  # no warm-up: the first decode step compiles its one graph (batch 4)
-            runner.compiled_decode = cpu_compile.CompiledDecode(runner.model, runner.kv_caches, 16)
+            runner.cpu_steps.compiled_decode = cpu_compile.CompiledDecode(
+                runner.model, runner.kv_caches, 16
+            )
         engine = EngineSim(runner.execute, num_blocks=64, block_size=16)
         for request_id, prompt in prompts.items():
             engine.add(request_id, prompt, SamplingParams(temperature=0.0))
         engine.step({request_id: len(prompt) for request_id, prompt in prompts.items()})
         for _ in range(23):
             engine.step({request_id: 1 for request_id in prompts})
-        assert (runner.compiled_decode is not None) == compiled  # no fallback to eager
+        assert (runner.cpu_steps.compiled_decode is not None) == compiled  # no fallback to eager
         return {r: engine.requests[r].token_ids[len(prompts[r]) :] for r in prompts}
 
     eager, compiled = generate(False), generate(True)

@@ -177,9 +177,9 @@ def test_the_runner_decodes_through_it_as_through_the_int4_path(tmp_path, monkey
     runner = _runner(tmp_path)
     assert runner.use_native_decode()
     calls = []
-    native_call = runner.native_decode.__call__
+    native_call = runner.cpu_steps.native_decode.__call__
     monkeypatch.setattr(
-        runner.native_decode.__class__, "__call__",
+        runner.cpu_steps.native_decode.__class__, "__call__",
         lambda self, *args: calls.append(len(args[0])) or native_call(*args),
     )  # fmt: skip
     native_path = _greedy(runner, prompts, steps=8)
@@ -199,14 +199,14 @@ def test_the_runner_decodes_through_it_as_through_the_int4_path(tmp_path, monkey
 
 def test_batches_above_its_rows_go_elsewhere(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_native_decode, "MAX_NATIVE_ROWS", 1)
-    monkeypatch.setattr("vtllm.worker.model_runner.MAX_NATIVE_ROWS", 1)
+    monkeypatch.setattr("vtllm.worker.cpu_steps.MAX_NATIVE_ROWS", 1)
     make_hf_model("llama", tmp_path)
     runner = _runner(tmp_path)
     assert runner.use_native_decode()
     calls = []
-    native_call = runner.native_decode.__call__
+    native_call = runner.cpu_steps.native_decode.__call__
     monkeypatch.setattr(
-        runner.native_decode.__class__, "__call__",
+        runner.cpu_steps.native_decode.__class__, "__call__",
         lambda self, *args: calls.append(len(args[0])) or native_call(*args),
     )  # fmt: skip
     _greedy(runner, {"a": [5, 6], "b": [7, 8]}, steps=2)

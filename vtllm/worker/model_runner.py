@@ -30,14 +30,11 @@ from vtllm import envs
 from vtllm.protocol.limits import effective_temperature
 from vtllm.protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from vtllm.worker.attention import (
-    AttentionMetadata,
     attention_metadata,
     build_attention_metadata,
 )
-from vtllm.worker.cpu_compile import CompiledDecode, compile_reason, try_compile
-from vtllm.worker.cpu_compile_prompt import CompiledPrompt, try_compile_prompt
-from vtllm.worker.cpu_native_decode import MAX_NATIVE_ROWS, NativeDecode, try_native_decode
 from vtllm.worker.cpu_precision import bf16_products, choose_bf16_prefill
+from vtllm.worker.cpu_steps import CpuSteps
 from vtllm.worker.decode_graphs import DecodeGraphs, capture_sizes
 from vtllm.worker.distributed import TPGroup
 from vtllm.worker.grammar import GrammarCompilerService, StructuredOutputs
@@ -123,9 +120,8 @@ class ModelRunner:
         self.block_size = 0
         self.attention_backend = attention_backend(device)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
-        self.compiled_decode: CompiledDecode | None = None  # set by compile_cpu_steps
-        self.compiled_prompt: CompiledPrompt | None = None  # set by compile_cpu_steps
-        self.native_decode: NativeDecode | None = None  # set by use_native_decode
+        # native / compiled CPU steps: set by use_native_decode and compile_cpu_steps
+        self.cpu_steps = CpuSteps()
         self.tokenizer_dir = tokenizer_dir
         self.structured: StructuredOutputs | None = None  # on the driver, at first use
         self.platform = platform_of(device)
@@ -227,8 +223,7 @@ class ModelRunner:
         ]
         self.block_size = block_size
         self.decode_graphs = None  # they point into the old cache
-        self.compiled_decode = None
-        self.native_decode = None
+        self.cpu_steps = CpuSteps()
 
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV cache this rank holds now (0 before ``init_kv_cache``)."""
@@ -279,10 +274,9 @@ class ModelRunner:
         decode graph for those batch sizes."""
         if not self.kv_caches:
             raise RuntimeError("use_native_decode() needs a KV cache")
-        self.native_decode = try_native_decode(
+        return self.cpu_steps.use_native_decode(
             self.model, self.kv_caches, self.block_size, self.platform.is_gpu
         )
-        return self.native_decode is not None
 
     def compile_cpu_steps(self, max_num_seqs: int, enforce_eager: bool = False) -> bool:
         """On a CPU, route decode-only steps through the compiled forward of
@@ -291,20 +285,10 @@ class ModelRunner:
         (logged; those steps stay eager). True when the decode step is compiled."""
         if not self.kv_caches:
             raise RuntimeError("compile_cpu_steps() needs a KV cache")
-        self.compiled_decode = try_compile(
-            self.model,
-            self.kv_caches,
-            self.block_size,
-            max_num_seqs,
-            self.device.type != "cpu",
-            enforce_eager,
-            native_rows=MAX_NATIVE_ROWS if self.native_decode is not None else 0,
-        )
-        if compile_reason(self.model, self.device.type != "cpu", enforce_eager) is None:
-            self.compiled_prompt = try_compile_prompt(
-                self.model, self.kv_caches, self.block_size, self._chunk_dtype(True)
-            )
-        return self.compiled_decode is not None
+        return self.cpu_steps.compile(
+            self.model, self.kv_caches, self.block_size, max_num_seqs,
+            self.platform.is_gpu, enforce_eager, self._chunk_dtype(True),
+        )  # fmt: skip
 
     def _chunk_dtype(self, prompt: bool) -> torch.dtype | None:
         """The dtype prefill chunks are attended in (``cpu_precision.py``)."""
@@ -399,24 +383,12 @@ class ModelRunner:
             rows = self._to_device(batch.logits_indices)
             return self.model.compute_logits(hidden.index_select(0, rows)), hidden
         prompt = batch.has_prompt_tokens  # quantised CPU layers use their dense weights
-        decode_only = batch.num_tokens == batch.num_reqs and not prompt
-        if self.native_decode is not None and decode_only and batch.num_reqs <= MAX_NATIVE_ROWS:
+        if batch.num_tokens == batch.num_reqs and not prompt and not self.platform.is_gpu:
             input_ids = torch.from_numpy(batch.input_ids)  # [num_reqs]; shares memory
             self._feed_previous_tokens(input_ids, batch)
-            logits, hidden = self.native_decode(
-                input_ids, batch.positions, batch.seq_lens, batch.block_tables(),
-                batch.slot_mapping,
-            )  # fmt: skip
-            if len(batch.sample_rows) == batch.num_reqs:
-                return logits, hidden
-            return logits.index_select(0, torch.from_numpy(batch.logits_indices)), hidden
-        if self.compiled_decode is not None and decode_only:
-            hidden = self._compiled_decode(batch)  # [num_reqs, hidden] or None
-            if hidden is not None:
-                if len(batch.sample_rows) == batch.num_reqs:
-                    return self.model.compute_logits(hidden), hidden
-                rows = torch.from_numpy(batch.logits_indices)
-                return self.model.compute_logits(hidden.index_select(0, rows)), hidden
+            decoded = self.cpu_steps.decode(self.model, batch, input_ids)
+            if decoded is not None:
+                return decoded
         metadata = attention_metadata(
             batch.query_lens,
             batch.seq_lens,
@@ -434,8 +406,8 @@ class ModelRunner:
         logits_indices = self._to_device(batch.logits_indices)
         with prompt_step(prompt), bf16_products(prompt and self.bf16_prefill):
             hidden = None
-            if prompt and self.compiled_prompt is not None and batch.num_tokens >= 2:
-                hidden = self._compiled_prompt(input_ids, positions, metadata)
+            if prompt:
+                hidden = self.cpu_steps.prompt(input_ids, positions, self.kv_caches, metadata)
             if hidden is None:
                 hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
             return self.model.compute_logits(hidden.index_select(0, logits_indices)), hidden
@@ -448,39 +420,6 @@ class ModelRunner:
         if not self.platform.is_gpu:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
-
-    def _compiled_prompt(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor | None:
-        """The compiled CPU prompt step's hidden states ``[num_tokens, hidden]``; None after
-        it raised (logged once, eager from then on, as ``_compiled_decode``)."""
-        assert self.compiled_prompt is not None
-        try:
-            return self.compiled_prompt(input_ids, positions, self.kv_caches, metadata)
-        except Exception:
-            logger.exception("the compiled CPU prompt step failed; prefilling eagerly from now on")
-            self.compiled_prompt = None
-            return None
-
-    def _compiled_decode(self, batch: StepBatch) -> torch.Tensor | None:
-        """The compiled CPU decode step's hidden states ``[num_reqs, hidden]``; None after
-        it raised (logged once, eager from then on: the eager forward rewrites the same
-        KV slots with its own values)."""
-        assert self.compiled_decode is not None
-        input_ids = torch.from_numpy(batch.input_ids)  # [num_reqs]; a CPU shares memory
-        self._feed_previous_tokens(input_ids, batch)
-        try:
-            return self.compiled_decode(
-                input_ids,
-                torch.from_numpy(batch.positions),
-                batch.seq_lens,
-                batch.block_tables(),
-                batch.slot_mapping,
-            )
-        except Exception:
-            logger.exception("the compiled CPU decode step failed; serving eagerly from now on")
-            self.compiled_decode = None
-            return None
 
     def grammars(self) -> StructuredOutputs:
         """The driver's grammar state, created (compiler threads started) at first use."""

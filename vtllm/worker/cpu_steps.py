@@ -1,0 +1,114 @@
+"""A CPU worker's faster steps, chosen per step by the model runner: the native decode step
+(``cpu_native_decode.py``) for decode-only batches of up to ``MAX_NATIVE_ROWS``
+requests, the compiled decode step (``cpu_compile.py``) for the other decode-only
+batches, the compiled prompt step (``cpu_compile_prompt.py``) for steps that compute
+prompt tokens. Each is None where it does not apply; a compiled step that raises is
+logged once and dropped (eager from then on).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from vtllm.worker.attention import AttentionMetadata
+from vtllm.worker.cpu_compile import CompiledDecode, compile_reason, try_compile
+from vtllm.worker.cpu_compile_prompt import CompiledPrompt, try_compile_prompt
+from vtllm.worker.cpu_native_decode import MAX_NATIVE_ROWS, NativeDecode, try_native_decode
+from vtllm.worker.input_batch import StepBatch
+from vtllm.worker.models.llama import KVCache
+
+logger = logging.getLogger(__name__)
+
+
+class CpuSteps:
+    """The native and compiled steps of one model over its KV cache (set up after
+    ``ModelRunner.init_kv_cache``, dropped by the next)."""
+
+    def __init__(self) -> None:
+        self.native_decode: NativeDecode | None = None
+        self.compiled_decode: CompiledDecode | None = None
+        self.compiled_prompt: CompiledPrompt | None = None
+
+    def use_native_decode(
+        self, model: nn.Module, kv_caches: list[KVCache], block_size: int, is_gpu: bool
+    ) -> bool:
+        """Set up the native decode step where it applies (logged either way)."""
+        self.native_decode = try_native_decode(model, kv_caches, block_size, is_gpu)
+        return self.native_decode is not None
+
+    def compile(
+        self,
+        model: nn.Module,
+        kv_caches: list[KVCache],
+        block_size: int,
+        max_num_seqs: int,
+        is_gpu: bool,
+        enforce_eager: bool,
+        chunk_dtype: torch.dtype | None,
+    ) -> bool:
+        """Compile and warm up the decode step (the batch sizes the native step does not
+        serve) and the prompt step, unless they do not apply or fail (logged). True when
+        the decode step is compiled."""
+        self.compiled_decode = try_compile(
+            model, kv_caches, block_size, max_num_seqs, is_gpu, enforce_eager,
+            native_rows=MAX_NATIVE_ROWS if self.native_decode is not None else 0,
+        )  # fmt: skip
+        if compile_reason(model, is_gpu, enforce_eager) is None:
+            self.compiled_prompt = try_compile_prompt(model, kv_caches, block_size, chunk_dtype)
+        return self.compiled_decode is not None
+
+    def decode(
+        self,
+        model: nn.Module,
+        batch: StepBatch,
+        input_ids: torch.Tensor,  # [num_reqs], the previous step's tokens fed in
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(logits of the sampling rows, hidden [num_reqs, hidden])`` of a decode-only
+        batch through the native or the compiled step; None when neither takes it."""
+        rows = None
+        if len(batch.sample_rows) != batch.num_reqs:
+            rows = torch.from_numpy(batch.logits_indices)
+        if self.native_decode is not None and batch.num_reqs <= MAX_NATIVE_ROWS:
+            logits, hidden = self.native_decode(
+                input_ids, batch.positions, batch.seq_lens, batch.block_tables(),
+                batch.slot_mapping,
+            )  # fmt: skip
+            return (logits if rows is None else logits.index_select(0, rows)), hidden
+        if self.compiled_decode is None:
+            return None
+        try:
+            hidden = self.compiled_decode(
+                input_ids,
+                torch.from_numpy(batch.positions),
+                batch.seq_lens,
+                batch.block_tables(),
+                batch.slot_mapping,
+            )  # [num_reqs, hidden]
+        except Exception:  # the eager forward rewrites the same KV slots with its own values
+            logger.exception("the compiled CPU decode step failed; serving eagerly from now on")
+            self.compiled_decode = None
+            return None
+        return model.compute_logits(
+            hidden if rows is None else hidden.index_select(0, rows)
+        ), hidden
+
+    def prompt(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """Hidden states ``[num_tokens, hidden]`` of a step of at least two prompt tokens
+        through the compiled prompt step; None when there is none (or it just failed)."""
+        if self.compiled_prompt is None or input_ids.shape[0] < 2:
+            return None
+        try:
+            return self.compiled_prompt(input_ids, positions, kv_caches, metadata)
+        except Exception:
+            logger.exception("the compiled CPU prompt step failed; prefilling eagerly from now on")
+            self.compiled_prompt = None
+            return None
