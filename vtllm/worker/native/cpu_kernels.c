@@ -192,6 +192,22 @@ static inline float hsum8(__m256 v) {
 #endif
 
 #ifdef VT_AVX2
+/* u8 x s8 products of 32 bytes, summed by fours into 8 int32 lanes: one VNNI instruction
+   where -march=native has it (AVX-512 VNNI, AVX-VNNI), else maddubs + madd. The same
+   integers either way: every caller keeps each pair of products within int16 (nibbles
+   times int8, or |x| <= 127 times w <= 127), where maddubs does not saturate. */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+#ifdef VT_AVX2
 /* The 32 nibbles of one Q4_1 group as bytes 0..31 in element order: the low nibbles of the
    16 packed bytes, then their high nibbles. */
 static inline __m256i unpack_nibbles(const uint8_t *group) {
@@ -217,7 +233,6 @@ static inline __m256i hsum_8x8(const __m256i *d) {
 static inline void q4_tile8(const uint8_t *qo, const float *d, int64_t G, const vt_qrows *x,
                             int64_t r0, float *out) {
     const int64_t k = x->k;
-    const __m256i ones = _mm256_set1_epi16(1);
     const float *d8 = x->d8 + (r0 / 8) * G * 8;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
@@ -225,7 +240,7 @@ static inline void q4_tile8(const uint8_t *qo, const float *d, int64_t G, const 
         __m256i dots[8];
         for (int t = 0; t < 8; t++) {
             const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + (r0 + t) * k + g * 32));
-            dots[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xq), ones);
+            dots[t] = dot_u8s8(nib, xq);
         }
         const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(d[g]), _mm256_loadu_ps(d8 + g * 8));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum_8x8(dots)), scale, acc);
@@ -256,7 +271,6 @@ static inline float q4_dot_row(const uint8_t *qo, const float *d, int64_t G, con
 static inline void q4_rows8(const vt_q4 *w, int64_t o0, const int8_t *xq, const float *xd,
                             float *out) {
     const int64_t G = w->k / 32;
-    const __m256i ones = _mm256_set1_epi16(1);
     const float *d8 = w->d8 + (o0 / 8) * G * 8;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
@@ -264,7 +278,7 @@ static inline void q4_rows8(const vt_q4 *w, int64_t o0, const int8_t *xq, const 
         __m256i dots[8];
         for (int j = 0; j < 8; j++) {
             const __m256i nib = unpack_nibbles(w->q + ((o0 + j) * G + g) * 16);
-            dots[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, x), ones);
+            dots[j] = dot_u8s8(nib, x);
         }
         const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d8 + g * 8), _mm256_set1_ps(xd[g]));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum_8x8(dots)), scale, acc);
@@ -321,8 +335,7 @@ static void q4_linear(const vt_q4 *w, const vt_qrows *x, int64_t R, float *y) {
 /* The integer dot of 32 int8 weights with 32 int8 activations, as 8 int32 partial sums
    (maddubs wants an unsigned operand: |x| times w carrying x's sign). */
 static inline __m256i q8_dot32(__m256i w, __m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x)),
-                             _mm256_set1_epi16(1));
+    return dot_u8s8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
 }
 #endif
 
