@@ -150,12 +150,11 @@ typedef struct {
     float *d;   /* [R, k / 32] */
     float *sum; /* [R, k / 32] */
     float *d8;  /* [R / 8, k / 32, 8]: d of each whole tile of 8 rows, group-major */
-    int64_t k;
 } vt_qrows;
 
 static vt_qrows alloc_qrows(int64_t R, int64_t k) {
     vt_qrows x = {malloc(R * k), malloc(sizeof(float) * R * k / 32),
-                  malloc(sizeof(float) * R * k / 32), malloc(sizeof(float) * (R + 8) * k / 32), 0};
+                  malloc(sizeof(float) * R * k / 32), malloc(sizeof(float) * (R + 8) * k / 32)};
     return x;
 }
 
@@ -163,33 +162,27 @@ static int qrows_ok(const vt_qrows *x) { return x->q && x->d && x->sum && x->d8;
 
 static void free_qrows(vt_qrows *x) { free(x->q), free(x->d), free(x->sum), free(x->d8); }
 
-static void quantize_rows(const float *x, int64_t R, int64_t k, vt_qrows *out) {
-    out->k = k;
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t g = 0; g < k / 32; g++) {
-            const float *xg = x + r * k + g * 32;
-            float amax = 0.0f, sum = 0.0f;
-            for (int j = 0; j < 32; j++) {
-                amax = fabsf(xg[j]) > amax ? fabsf(xg[j]) : amax;
-                sum += xg[j];
-            }
-            const float d = amax / 127.0f;
-            int8_t *q = out->q + r * k + g * 32;
-            for (int j = 0; j < 32; j++) q[j] = d > 0.0f ? (int8_t)nearbyintf(xg[j] / d) : 0;
-            out->d[r * (k / 32) + g] = d;
-            out->sum[r * (k / 32) + g] = sum;
-            out->d8[((r / 8) * (k / 32) + g) * 8 + r % 8] = d;
+/* Row r of out from x [k] (any thread may quantise any row). */
+static void quantize_row(const float *x, int64_t r, int64_t k, vt_qrows *out) {
+    for (int64_t g = 0; g < k / 32; g++) {
+        const float *xg = x + g * 32;
+        float amax = 0.0f, sum = 0.0f;
+        for (int j = 0; j < 32; j++) {
+            amax = fabsf(xg[j]) > amax ? fabsf(xg[j]) : amax;
+            sum += xg[j];
         }
+        const float d = amax / 127.0f;
+        int8_t *q = out->q + r * k + g * 32;
+        for (int j = 0; j < 32; j++) q[j] = d > 0.0f ? (int8_t)nearbyintf(xg[j] / d) : 0;
+        out->d[r * (k / 32) + g] = d;
+        out->sum[r * (k / 32) + g] = sum;
+        out->d8[((r / 8) * (k / 32) + g) * 8 + r % 8] = d;
+    }
 }
 
-#ifdef VT_AVX2
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+static void quantize_rows(const float *x, int64_t R, int64_t k, vt_qrows *out) {
+    for (int64_t r = 0; r < R; r++) quantize_row(x + r * k, r, k, out);
 }
-#endif
 
 #ifdef VT_AVX2
 /* u8 x s8 products of 32 bytes, summed by fours into 8 int32 lanes: one VNNI instruction
@@ -232,7 +225,7 @@ static inline __m256i hsum_8x8(const __m256i *d) {
    instead of converting and scaling each row's dot apart. */
 static inline void q4_tile8(const uint8_t *qo, const float *d, int64_t G, const vt_qrows *x,
                             int64_t r0, float *out) {
-    const int64_t k = x->k;
+    const int64_t k = G * 32;
     const float *d8 = x->d8 + (r0 / 8) * G * 8;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
@@ -366,9 +359,9 @@ static inline float q8_dot_row(const int8_t *qo, int64_t G, const int8_t *xq, co
 
 /* logits[r, o] = scale[o] * (q[o] . x[r]): the int8 LM head, x quantised, inside a
    parallel region; rows in whole tiles of 8 share each weight load. */
-static void q8_linear(const int8_t *q, const float *scale, int64_t n, const vt_qrows *x,
-                      int64_t R, float *y) {
-    const int64_t k = x->k, G = k / 32;
+static void q8_linear(const int8_t *q, const float *scale, int64_t n, int64_t k,
+                      const vt_qrows *x, int64_t R, float *y) {
+    const int64_t G = k / 32;
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < n; o++) {
         const int8_t *qo = q + o * k;
@@ -423,7 +416,7 @@ int vt_q8_linear(const int8_t *q, const float *scale, int64_t n, int64_t k, cons
     if (status == 0) {
         quantize_rows(x, R, k, &xq);
 #pragma omp parallel
-        q8_linear(q, scale, n, &xq, R, y);
+        q8_linear(q, scale, n, k, &xq, R, y);
     }
     free_qrows(&xq);
     return status;
@@ -489,9 +482,8 @@ int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
         for (int64_t r = 0; r < R; r++) { /* residual += x; h = norm(residual) */
             for (int64_t i = 0; i < Hd; i++) residual[r * Hd + i] += x[r * Hd + i];
             rms_norm(residual + r * Hd, L->input_norm, Hd, model->eps, h + r * Hd);
+            quantize_row(h + r * Hd, r, Hd, &xq);
         }
-#pragma omp single
-        quantize_rows(h, R, Hd, &xq);
         q4_linear(&L->qkv, &xq, R, qkv);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) { /* q/k norm, rotary, the K/V write */
@@ -512,23 +504,22 @@ int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
                 attend_one(qkv + r * qkv_width + kh * G * D, L->k_cache, L->v_cache,
                            tables + r * table_stride, seq_lens[r], attn + (r * H + kh * G) * D,
                            G, KVH, D, BS, kh, model->scale);
-#pragma omp single
-        quantize_rows(attn, R, H * D, &xq);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) quantize_row(attn + r * H * D, r, H * D, &xq);
         q4_linear(&L->o, &xq, R, x);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
             for (int64_t i = 0; i < Hd; i++) residual[r * Hd + i] += x[r * Hd + i];
             rms_norm(residual + r * Hd, L->post_norm, Hd, model->eps, h + r * Hd);
+            quantize_row(h + r * Hd, r, Hd, &xq);
         }
-#pragma omp single
-        quantize_rows(h, R, Hd, &xq);
         q4_linear(&L->gate_up, &xq, R, gate_up);
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < R; r++)
+        for (int64_t r = 0; r < R; r++) {
             for (int64_t i = 0; i < I; i++)
                 act[r * I + i] = silu(gate_up[r * 2 * I + i]) * gate_up[r * 2 * I + I + i];
-#pragma omp single
-        quantize_rows(act, R, I, &xq);
+            quantize_row(act + r * I, r, I, &xq);
+        }
         q4_linear(&L->down, &xq, R, x);
     }
     for (int64_t r = 0; r < R; r++) {
@@ -537,7 +528,7 @@ int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
     }
     quantize_rows(hidden_out, R, Hd, &xq);
 #pragma omp parallel
-    q8_linear(model->lm_q, model->lm_scale, model->vocab, &xq, R, logits);
+    q8_linear(model->lm_q, model->lm_scale, model->vocab, Hd, &xq, R, logits);
 done:
     free(x), free(residual), free(h), free(qkv), free(attn), free(gate_up), free(act);
     free_qrows(&xq);
