@@ -20,7 +20,7 @@ from vtllm.worker.cpu_native_decode import NativeDecode, Q4Weight, reference_ste
 from vtllm.worker.layers import cpu_quant
 from vtllm.worker.model_runner import ModelRunner
 
-from .tiny_models import EngineSim, make_hf_model
+from .tiny_models import EngineSim, greedy_tokens, make_hf_model, readme_prompt
 
 pytestmark = pytest.mark.skipif(
     native_build.library() is None, reason="no C compiler for the native kernels"
@@ -168,6 +168,17 @@ def _greedy(runner: ModelRunner, prompts: dict[str, list[int]], steps: int) -> E
     return engine
 
 
+def _count_native_calls(runner: ModelRunner, monkeypatch) -> list[int]:
+    """The batch size of each native step ``runner`` takes from now on."""
+    calls: list[int] = []
+    native_call = runner.cpu_steps.native_decode.__call__
+    monkeypatch.setattr(
+        runner.cpu_steps.native_decode.__class__, "__call__",
+        lambda self, *args: calls.append(len(args[0])) or native_call(*args),
+    )  # fmt: skip
+    return calls
+
+
 def test_the_runner_decodes_through_it_as_through_the_int4_path(tmp_path, monkeypatch):
     """Prompts prefill on the dense weights, decodes go native (counted): greedy tokens
     as the torch int4 path's, top log-probabilities within its bf16 activation rounding."""
@@ -176,12 +187,7 @@ def test_the_runner_decodes_through_it_as_through_the_int4_path(tmp_path, monkey
     torch_path = _greedy(_runner(tmp_path), prompts, steps=8)
     runner = _runner(tmp_path)
     assert runner.use_native_decode()
-    calls = []
-    native_call = runner.cpu_steps.native_decode.__call__
-    monkeypatch.setattr(
-        runner.cpu_steps.native_decode.__class__, "__call__",
-        lambda self, *args: calls.append(len(args[0])) or native_call(*args),
-    )  # fmt: skip
+    calls = _count_native_calls(runner, monkeypatch)
     native_path = _greedy(runner, prompts, steps=8)
     assert calls == [3] * 8  # the decode steps only, prompts elsewhere
     for request_id in prompts:
@@ -203,12 +209,7 @@ def test_batches_above_its_rows_go_elsewhere(tmp_path, monkeypatch):
     make_hf_model("llama", tmp_path)
     runner = _runner(tmp_path)
     assert runner.use_native_decode()
-    calls = []
-    native_call = runner.cpu_steps.native_decode.__call__
-    monkeypatch.setattr(
-        runner.cpu_steps.native_decode.__class__, "__call__",
-        lambda self, *args: calls.append(len(args[0])) or native_call(*args),
-    )  # fmt: skip
+    calls = _count_native_calls(runner, monkeypatch)
     _greedy(runner, {"a": [5, 6], "b": [7, 8]}, steps=2)
     assert calls == []
 
@@ -229,8 +230,7 @@ def test_embedded_model_answers_the_readme_question_as_float32(smollm2_dir):
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
-    readme = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-    prompt = tokenizer.encode(readme).ids
+    prompt = readme_prompt(tokenizer)
 
     def generate(quantization: str) -> list[int]:
         runner = ModelRunner.from_model_dir(
@@ -239,12 +239,7 @@ def test_embedded_model_answers_the_readme_question_as_float32(smollm2_dir):
         )  # fmt: skip
         runner.init_kv_cache(num_blocks=16, block_size=16)
         assert runner.use_native_decode() == (quantization == "int4")
-        engine = EngineSim(runner.execute, num_blocks=16, block_size=16)
-        engine.add("readme", prompt, SamplingParams(temperature=0.0))
-        engine.step({"readme": len(prompt)})
-        for _ in range(15):
-            engine.step({"readme": 1})
-        return engine.requests["readme"].token_ids[len(prompt) :]
+        return greedy_tokens(runner, prompt, 16)
 
     native = generate("int4")
     assert native == generate("none")

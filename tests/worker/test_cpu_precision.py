@@ -11,7 +11,7 @@ from vtllm.protocol.messages import SamplingParams
 from vtllm.worker import cpu_precision
 from vtllm.worker.model_runner import ModelRunner
 
-from .tiny_models import EngineSim, make_hf_model
+from .tiny_models import EngineSim, greedy_tokens, make_hf_model, readme_prompt
 
 ZEN4 = frozenset({"avx2", "avx512f", "avx512_bf16"})
 SAPPHIRE_RAPIDS = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
@@ -84,19 +84,10 @@ def test_embedded_model_answers_the_readme_question_with_bf16_prefill(smollm2_di
     monkeypatch.setenv("VT_CPU_BF16_PREFILL", "on")
     tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
     system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-    readme = (
-        f"<|im_start|>system\n{system}<|im_end|>\n"
-        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-    )
-    prompt = tokenizer.encode(readme).ids
+    prompt = readme_prompt(tokenizer, system)
     runner = ModelRunner.from_model_dir(smollm2_dir, torch.device("cpu"), torch.float32, seed=0)
     assert runner.bf16_prefill
     cpu_quant.quantize_for_cpu(runner.model, "int4")
     runner.init_kv_cache(num_blocks=16, block_size=16)
-    engine = EngineSim(runner.execute, num_blocks=16, block_size=16)
-    engine.add("readme", prompt, SamplingParams(temperature=0.0))
-    engine.step({"readme": len(prompt)})
-    for _ in range(9):
-        engine.step({"readme": 1})
-    answer = tokenizer.decode(engine.requests["readme"].token_ids[len(prompt) :])
+    answer = tokenizer.decode(greedy_tokens(runner, prompt, 10))
     assert answer.startswith("The capital of France is Paris"), answer

@@ -14,7 +14,7 @@ from vtllm.worker.layers import cpu_quant
 from vtllm.worker.layers.linear import ColumnParallelLinear
 from vtllm.worker.model_runner import ModelRunner
 
-from .tiny_models import make_hf_model
+from .tiny_models import greedy_tokens, make_hf_model, readme_prompt
 
 
 def _q4_1_blocks(out_features: int, in_features: int, seed: int) -> torch.Tensor:
@@ -143,25 +143,15 @@ def test_embedded_model_answers_the_readme_question_from_int4_as_from_float32(sm
     emulated)."""
     from tokenizers import Tokenizer
 
-    from vtllm.protocol.messages import SamplingParams
-
-    from .tiny_models import EngineSim
-
     tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
-    readme = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-    prompt = tokenizer.encode(readme).ids
+    prompt = readme_prompt(tokenizer)
 
     def generate(quantization: str) -> list[int]:
         runner = ModelRunner.from_model_dir(smollm2_dir, torch.device("cpu"), torch.float32, seed=0)
         if quantization != "none":
             cpu_quant.quantize_for_cpu(runner.model, quantization)
         runner.init_kv_cache(num_blocks=16, block_size=16)
-        engine = EngineSim(runner.execute, num_blocks=16, block_size=16)
-        engine.add("readme", prompt, SamplingParams(temperature=0.0))
-        engine.step({"readme": len(prompt)})
-        for _ in range(15):
-            engine.step({"readme": 1})
-        return engine.requests["readme"].token_ids[len(prompt) :]
+        return greedy_tokens(runner, prompt, 16)
 
     int4 = generate("int4")
     assert int4 == generate("none")

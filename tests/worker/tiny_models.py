@@ -297,3 +297,25 @@ def full_logprobs(output: ModelRunnerOutput, index: int, vocab_size: int) -> tor
     for token_id, logprob in output.top_logprobs[index]:
         values[token_id] = logprob
     return values
+
+
+README_QUESTION = "What is the capital of France?"
+
+
+def readme_prompt(tokenizer, system: str | None = None) -> list[int]:
+    """Token ids of the README's question in SmolLM2's chat format (``system``: a system
+    turn before it)."""
+    turns = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+    turns += f"<|im_start|>user\n{README_QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    return tokenizer.encode(turns).ids
+
+
+def greedy_tokens(runner, prompt: list[int], num_tokens: int, block_size: int = 16) -> list[int]:
+    """``num_tokens`` greedy tokens after ``prompt`` through ``runner.execute``: the
+    prompt in one step, then one decode step a token (16 blocks of ``block_size``)."""
+    engine = EngineSim(runner.execute, num_blocks=16, block_size=block_size)
+    engine.add("greedy", prompt, SamplingParams(temperature=0.0))
+    engine.step({"greedy": len(prompt)})
+    for _ in range(num_tokens - 1):
+        engine.step({"greedy": 1})
+    return engine.requests["greedy"].token_ids[len(prompt) :]
