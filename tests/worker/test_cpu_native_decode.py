@@ -48,10 +48,26 @@ def test_q4_repacking_keeps_the_int4_weights():
     )
 
 
+def test_the_plain_c_product_matches_its_reference():
+    """Built without AVX2 (plain C), the int4 product equals its torch reference to float32
+    rounding, and each row alone gives the same bits as in the batch."""
+    plain = native_build.build_variant(("-mno-avx2", "-mno-fma"))
+    assert plain is not None
+    torch.manual_seed(5)
+    q4 = Q4Weight(torch.randn(80, 320) * 0.05, torch.randn(80))
+    x = torch.randn(6, 320)
+    got = cpu_native_decode.q4_linear(q4, x, plain)
+    torch.testing.assert_close(
+        got, cpu_native_decode.q4_linear_reference(q4, x), atol=2e-5, rtol=1e-5
+    )
+    for r in range(x.shape[0]):
+        assert torch.equal(cpu_native_decode.q4_linear(q4, x[r : r + 1], plain), got[r : r + 1])
+
+
 @pytest.mark.parametrize("num_rows", [1, 3, 8, 13])
 @pytest.mark.parametrize("bias", [False, True])
 def test_products_match_their_references(num_rows, bias):
-    """int4 and int8 products (tiles of 8 rows and rows alone) as their torch references
+    """int4 and int8 products (rows four at a time and alone) as their torch references
     compute them, to float32 rounding (the same quantised activations, integer dots), and
     each row's result the same bits as when it is multiplied alone."""
     torch.manual_seed(num_rows)

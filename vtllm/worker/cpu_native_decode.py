@@ -16,8 +16,9 @@ bf16 and back, ~200 kernel launches). The native step runs the same model as a C
 
 with OpenMP threads (torch's runtime) splitting each product's output rows. Weights: the
 int4 of ``layers/cpu_quant.py`` (``quantize_int4``: per group of 32 inputs,
-``w = (q - 8) * scale + zero``) repacked as GGUF ``Q4_1`` blocks (16 bytes of nibbles,
-``w = nibble * d + m`` with ``d = scale``, ``m = zero - 8 scale``, float32), and the LM
+``w = (q - 8) * scale + zero``) repacked as GGUF ``Q4_1`` groups (``w = nibble * d + m``
+with ``d = scale``, ``m = zero - 8 scale``, float32; the nibbles of 8 rows interleaved,
+``Q4Weight``), and the LM
 head's int8 rows with their scales; activations stay float32 (the torch int4 kernel rounds
 them to bf16), so the native step is closer to the float32 model than the torch int4 path.
 Each output element is reduced by one thread in a fixed order: logits do not depend on the
@@ -83,47 +84,56 @@ class _Model(ctypes.Structure):
 
 
 class Q4Weight:
-    """One linear layer's int4 weight in the kernel's layout: ``packed [n, k / 32, 16]
-    uint8`` (byte j of a group: element j low nibble, j + 16 high), ``d`` and ``m``
-    ``[n, k / 32]`` float32 (``w = nibble * d + m``), ``d8 [n / 8, k / 32, 8]`` (``d``
-    of each block of 8 rows, group-major), ``bias [n]`` float32 or None; ``n`` a multiple
-    of 8 (``cpu_quant.int4_supported``: of 16)."""
+    """One linear layer's int4 weight in the kernel's layout: ``interleaved [n / 8, k / 32,
+    4, 8, 4] uint8``, blocks of 8 rows: byte ``[block, g, p, j, b]`` holds row ``8 block +
+    j``'s element ``8 p + b`` of group ``g`` in its low nibble and ``8 p + 4 + b`` in its
+    high one (a 32-byte load is four elements of eight rows); ``d`` and ``m`` ``[n, k /
+    32]`` float32 (``w = nibble * d + m``), ``d8 [n / 8, k / 32, 8]`` (``d`` of each
+    block of 8 rows, group-major), ``bias [n]`` float32 or None; ``n`` a multiple of 8
+    (``cpu_quant.int4_supported``: of 16)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         n, k = weight.shape
         q, scale_zero, _ = quantize_int4(weight)  # q [n, k] 0..15, [k / 32, n, 2] bf16
-        q = q.to(torch.uint8).view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
-        half = INT4_GROUP_SIZE // 2
-        self.packed = (q[..., :half] | (q[..., half:] << 4)).contiguous()
+        groups = k // INT4_GROUP_SIZE
+        # [block, j, g, p, half, b] -> [block, g, p, half, j, b]
+        q = q.to(torch.uint8).view(n // 8, 8, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+        self.interleaved = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).contiguous()
         scale, zero = scale_zero.float().transpose(0, 1).unbind(-1)  # [n, k / 32] each
         self.d = scale.contiguous()
         self.m = (zero - 8.0 * scale).contiguous()
-        groups = k // INT4_GROUP_SIZE  # d of each block of 8 rows, group-major (the kernel's)
         self.d8 = self.d.view(n // 8, 8, groups).transpose(1, 2).contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.n, self.k = n, k
 
+    def nibbles(self) -> torch.Tensor:
+        """``[n, k / 32, 32]`` uint8: each group's nibbles in element order."""
+        halves = torch.stack((self.interleaved & 15, self.interleaved >> 4), dim=3)
+        # [block, g, p, half, j, b] -> [block, j, g, p, half, b]
+        return halves.permute(0, 4, 1, 2, 3, 5).reshape(self.n, self.k // INT4_GROUP_SIZE, -1)
+
     def dequantised(self) -> torch.Tensor:
         """``[n, k]`` float32: the weight the kernel multiplies by."""
-        low, high = self.packed & 15, self.packed >> 4  # [n, k / 32, 16] each
-        nibbles = torch.cat((low, high), dim=-1).float()  # [n, k / 32, 32]
-        w = nibbles * self.d[..., None] + self.m[..., None]
+        w = self.nibbles().float() * self.d[..., None] + self.m[..., None]
         return w.reshape(self.n, self.k)
 
     def struct(self) -> _Q4:
         bias = 0 if self.bias is None else self.bias.data_ptr()
         return _Q4(
-            self.packed.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), self.d8.data_ptr(),
+            self.interleaved.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), self.d8.data_ptr(),
             bias, self.n, self.k,
         )  # fmt: skip
 
 
-def q4_linear(weight: Q4Weight, x: torch.Tensor) -> torch.Tensor:
-    """``x [R, k]`` float32 times an int4 weight through the kernel (``vt_q4_linear``):
-    ``[R, n]``. For tests and benchmarks; the step calls it inside."""
+def q4_linear(
+    weight: Q4Weight, x: torch.Tensor, library: ctypes.CDLL | None = None
+) -> torch.Tensor:
+    """``x [R, k]`` float32 times an int4 weight through the kernel (``vt_q4_linear`` of
+    ``library``, by default ``native_build.library()``): ``[R, n]``. For tests and
+    benchmarks; the step calls it inside."""
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
-    function = native_build.library().vt_q4_linear  # type: ignore[union-attr]
+    function = (library or native_build.library()).vt_q4_linear  # type: ignore[union-attr]
     function.argtypes = [_P, _P, _I, _P]
     struct = weight.struct()
     if function(ctypes.addressof(struct), x.data_ptr(), x.shape[0], y.data_ptr()) != 0:
@@ -272,8 +282,7 @@ def q4_linear_reference(weight: Q4Weight, x: torch.Tensor) -> torch.Tensor:
     group dot products (exact in float32) scaled by both groups' scales, plus ``m`` times
     each group's sum of x."""
     q, d, sums = quantize_rows(x)
-    low, high = weight.packed & 15, weight.packed >> 4
-    nibbles = torch.cat((low, high), dim=-1).float()  # [n, k / 32, 32]
+    nibbles = weight.nibbles().float()  # [n, k / 32, 32]
     dots = torch.einsum("rgj,ogj->rog", q, nibbles)  # [R, n, k / 32] integers
     y = (dots * weight.d[None] * d[:, None]).sum(-1) + sums @ weight.m.T
     return y if weight.bias is None else y + weight.bias

@@ -34,14 +34,15 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _state: dict[str, ctypes.CDLL | None] = {}
 
 
-def _build() -> ctypes.CDLL | None:
+def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.info("no C compiler: the native CPU kernels are off (torch paths instead)")
         return None
     source_text = SOURCE.read_text()
     cpu = " ".join(sorted(cpu_flags()))
-    key = hashlib.sha256((source_text + " ".join(FLAGS) + cpu).encode()).hexdigest()[:16]
+    flags = (*FLAGS, *extra_flags)
+    key = hashlib.sha256((source_text + " ".join(flags) + cpu).encode()).hexdigest()[:16]
     directory = envs.VT_CACHE_DIR / "native"
     library = directory / f"cpu_kernels_{key}.so"
     if not library.exists():
@@ -49,7 +50,7 @@ def _build() -> ctypes.CDLL | None:
         with tempfile.TemporaryDirectory(dir=directory) as scratch:
             built = Path(scratch) / library.name
             result = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                [compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
                 capture_output=True,
                 text=True,
                 timeout=120,
@@ -73,3 +74,9 @@ def library() -> ctypes.CDLL | None:
             logger.warning("the native CPU kernels are unavailable (%s): torch paths", e)
             _state["lib"] = None
     return _state["lib"]
+
+
+def build_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The kernels built with more flags (e.g. ``-mno-avx2``: the plain-C paths), for
+    tests that check one build against another; not cached in memory."""
+    return _build(extra_flags)

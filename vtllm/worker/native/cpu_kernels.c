@@ -115,8 +115,8 @@ int vt_decode_attention_f32(const float *q, int64_t q_stride, const float *k_new
 /* ---------------------------------------------------------------- decode step */
 
 typedef struct {
-    const uint8_t *q;  /* [n, k / 32, 16]: byte j of a group holds its element j in the low
-                          nibble and j + 16 in the high one (GGUF Q4_1) */
+    const uint8_t *q;  /* [n / 8, k / 32, 4, 8, 4]: blocks of 8 rows (see q4_block); the
+                          nibbles of GGUF Q4_1 groups, interleaved */
     const float *d;    /* [n, k / 32]: element = nibble * d + m */
     const float *m;    /* [n, k / 32] */
     const float *d8;   /* [n / 8, k / 32, 8]: d of each block of 8 rows, group-major */
@@ -201,15 +201,6 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 
 #ifdef VT_AVX2
-/* The 32 nibbles of one Q4_1 group as bytes 0..31 in element order: the low nibbles of the
-   16 packed bytes, then their high nibbles. */
-static inline __m256i unpack_nibbles(const uint8_t *group) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)group);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
-}
-#endif
-
-#ifdef VT_AVX2
 /* The horizontal sums of eight int32x8 vectors, as one vector (sum of d[t] in lane t). */
 static inline __m256i hsum_8x8(const __m256i *d) {
     const __m256i a = _mm256_hadd_epi32(d[0], d[1]), b = _mm256_hadd_epi32(d[2], d[3]);
@@ -220,106 +211,120 @@ static inline __m256i hsum_8x8(const __m256i *d) {
                             _mm256_permute2x128_si256(ab, ce, 0x31));
 }
 
-/* out[t] for the 8 rows r0..r0+7 (r0 a multiple of 8): each group's eight integer dots
-   reduced to one vector (lane t: row t), then scaled and accumulated once for all eight,
-   instead of converting and scaling each row's dot apart. */
-static inline void q4_tile8(const uint8_t *qo, const float *d, int64_t G, const vt_qrows *x,
-                            int64_t r0, float *out) {
+/* Four activation bytes (elements 4s..4s+3 of a row) in every 32-bit lane. */
+static inline __m256i broadcast4(const int8_t *x) {
+    int32_t word;
+    memcpy(&word, x, 4);
+    return _mm256_set1_epi32(word);
+}
+
+/* The 8 outputs of weight rows o0..o0+7 (lane j: row o0 + j) for T activation rows (T a
+   constant where inlined), group after group, without a horizontal add: each group of a
+   block is 128 bytes, four of 32 (p = 0..3), byte 4j + b holding row j's element 8p + b
+   in its low nibble and 8p + 4 + b in its high one. A masked load gives eight rows' four
+   nibbles of one step of 4 elements, multiplied by that step's 4 activation bytes
+   broadcast (maddubs: u8 x s8, pairs summed to int16, |.| <= 3,810); the eight steps of a
+   group are summed in int16 (|.| <= 30,480) and widened once (madd); with VNNI, vpdpbusd
+   accumulates in int32 instead. Each lane then takes float(dot) * (d_w * d_x): one
+   rounding a group, the same arithmetic for every (row, activation row) pair whatever T,
+   so a request's outputs do not depend on its batch. */
+static inline __attribute__((always_inline)) void q4_block(const uint8_t *wq, const float *d8,
+                                                           int64_t G, const vt_qrows *x,
+                                                           int64_t r0, int T, __m256 *acc) {
     const int64_t k = G * 32;
-    const float *d8 = x->d8 + (r0 / 8) * G * 8;
-    __m256 acc = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        const __m256i nib = unpack_nibbles(qo + g * 16);
-        __m256i dots[8];
-        for (int t = 0; t < 8; t++) {
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + (r0 + t) * k + g * 32));
-            dots[t] = dot_u8s8(nib, xq);
+        __m256i dot[4];
+        for (int t = 0; t < T; t++) dot[t] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+        for (int p = 0; p < 4; p++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(wq + g * 128 + p * 32));
+            const __m256i w0 = _mm256_and_si256(v, low);
+            const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            for (int t = 0; t < T; t++) {
+                const int8_t *xs = x->q + (r0 + t) * k + g * 32 + p * 8;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                dot[t] = _mm256_dpbusd_epi32(dot[t], w0, broadcast4(xs));
+                dot[t] = _mm256_dpbusd_epi32(dot[t], w1, broadcast4(xs + 4));
+#elif defined(__AVXVNNI__)
+                dot[t] = _mm256_dpbusd_avx_epi32(dot[t], w0, broadcast4(xs));
+                dot[t] = _mm256_dpbusd_avx_epi32(dot[t], w1, broadcast4(xs + 4));
+#else
+                dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(w0, broadcast4(xs)));
+                dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(w1, broadcast4(xs + 4)));
+#endif
+            }
         }
-        const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(d[g]), _mm256_loadu_ps(d8 + g * 8));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum_8x8(dots)), scale, acc);
+        const __m256 dw = _mm256_loadu_ps(d8 + g * 8);
+        for (int t = 0; t < T; t++) {
+#if !((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+            dot[t] = _mm256_madd_epi16(dot[t], _mm256_set1_epi16(1));
+#endif
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x->d[(r0 + t) * G + g]));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), scale, acc[t]);
+        }
     }
-    _mm256_storeu_ps(out, acc);
 }
 #endif
 
-/* One output row of an int4 weight against one activation row, in plain C (CPUs without
+/* Row j of block wq's element e of group g (the layout of q4_block). */
+static inline int q4_nibble(const uint8_t *wq, int64_t g, int j, int e) {
+    const uint8_t byte = wq[g * 128 + (e / 8) * 32 + j * 4 + e % 4];
+    return e % 8 < 4 ? byte & 15 : byte >> 4;
+}
+
+/* One output row j of block wq against one activation row, in plain C (CPUs without
    AVX2): the sum over groups of float(integer dot) * (d * d_x), group after group, one
-   rounding each, as the AVX2 tiles' lanes. */
-static inline float q4_dot_row(const uint8_t *qo, const float *d, int64_t G, const int8_t *xq,
-                               const float *xd) {
+   rounding each, as q4_block's lanes. */
+static inline float q4_dot_row(const uint8_t *wq, const float *d8, int64_t G, int j,
+                               const int8_t *xq, const float *xd) {
     float acc = 0.0f;
     for (int64_t g = 0; g < G; g++) {
         int32_t dot = 0;
-        for (int j = 0; j < 16; j++)
-            dot += (qo[g * 16 + j] & 15) * xq[g * 32 + j] + (qo[g * 16 + j] >> 4) * xq[g * 32 + 16 + j];
-        acc = fmaf((float)dot, d[g] * xd[g], acc);
+        for (int e = 0; e < 32; e++) dot += q4_nibble(wq, g, j, e) * xq[g * 32 + e];
+        acc = fmaf((float)dot, d8[g * 8 + j] * xd[g], acc);
     }
     return acc;
 }
 
-#ifdef VT_AVX2
-/* out[j] for the 8 weight rows o0..o0+7 against one activation row: the lanes are weight
-   rows here (one activation load a group for all eight), the same arithmetic per lane as
-   q4_tile8's lanes, which are activation rows. */
-static inline void q4_rows8(const vt_q4 *w, int64_t o0, const int8_t *xq, const float *xd,
-                            float *out) {
-    const int64_t G = w->k / 32;
-    const float *d8 = w->d8 + (o0 / 8) * G * 8;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + g * 32));
-        __m256i dots[8];
-        for (int j = 0; j < 8; j++) {
-            const __m256i nib = unpack_nibbles(w->q + ((o0 + j) * G + g) * 16);
-            dots[j] = dot_u8s8(nib, x);
-        }
-        const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d8 + g * 8), _mm256_set1_ps(xd[g]));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum_8x8(dots)), scale, acc);
-    }
-    _mm256_storeu_ps(out, acc);
-}
-#endif
-
-/* y[r, o] = x[r] . W[o] (+ bias[o]) for r < R, o < n: W int4 (Q4_1 groups), x quantised;
-   called inside a parallel region, blocks of 8 output rows shared out among its threads.
-   Whole tiles of 8 activation rows go through q4_tile8 (one weight load for eight rows),
-   the other rows through q4_rows8 (one activation load for eight weight rows): every
-   (o, r) accumulates float(dot_g) * (d_g * d_x,g) group after group, so a request's
-   outputs do not depend on its batch. */
+/* y[r, o] = x[r] . W[o] (+ bias[o]) for r < R, o < n: W int4 (Q4_1 groups in q4_block's
+   layout), x quantised; called inside a parallel region, blocks of 8 output rows shared
+   out among its threads, activation rows four at a time (then one at a time), each
+   (o, r) reduced the same way whatever R. */
 static void q4_linear(const vt_q4 *w, const vt_qrows *x, int64_t R, float *y) {
-    const int64_t G = w->k / 32, n = w->n, k = w->k;
+    const int64_t G = w->k / 32, n = w->n;
 #pragma omp for schedule(static)
     for (int64_t o0 = 0; o0 < n; o0 += 8) {
-        float out[8][8]; /* [weight row j][activation row t] of one tile */
-        for (int64_t r0 = 0; r0 < R; r0 += 8) {
-            const int64_t rows = R - r0 < 8 ? R - r0 : 8;
+        const uint8_t *wq = w->q + o0 * G * 16; /* [G, 4, 8, 4] */
+        const float *d8 = w->d8 + o0 * G;       /* [G, 8] */
+        for (int64_t r0 = 0; r0 < R;) {
+            const int64_t rows = R - r0 >= 4 ? 4 : 1;
+            float out[4][8]; /* [activation row t][weight row j] */
 #ifdef VT_AVX2
-            if (rows == 8) {
-                for (int j = 0; j < 8; j++)
-                    q4_tile8(w->q + (o0 + j) * G * 16, w->d + (o0 + j) * G, G, x, r0, out[j]);
-            } else {
-                for (int64_t t = 0; t < rows; t++) {
-                    float lanes[8];
-                    q4_rows8(w, o0, x->q + (r0 + t) * k, x->d + (r0 + t) * G, lanes);
-                    for (int j = 0; j < 8; j++) out[j][t] = lanes[j];
-                }
-            }
+            __m256 acc[4];
+            if (rows == 4)
+                q4_block(wq, d8, G, x, r0, 4, acc);
+            else
+                q4_block(wq, d8, G, x, r0, 1, acc);
+            for (int64_t t = 0; t < rows; t++) _mm256_storeu_ps(out[t], acc[t]);
 #else
-            for (int j = 0; j < 8; j++)
-                for (int64_t t = 0; t < rows; t++)
-                    out[j][t] = q4_dot_row(w->q + (o0 + j) * G * 16, w->d + (o0 + j) * G, G,
-                                           x->q + (r0 + t) * k, x->d + (r0 + t) * G);
+            for (int64_t t = 0; t < rows; t++)
+                for (int j = 0; j < 8; j++)
+                    out[t][j] = q4_dot_row(wq, d8, G, j, x->q + (r0 + t) * G * 32,
+                                           x->d + (r0 + t) * G);
 #endif
-            for (int j = 0; j < 8; j++) {
-                const int64_t o = o0 + j;
-                const float *m = w->m + o * G;
-                for (int64_t t = 0; t < rows; t++) { /* + sum over groups of m * sum(x) */
-                    const float *sum = x->sum + (r0 + t) * G;
+            for (int64_t t = 0; t < rows; t++) {
+                const float *sum = x->sum + (r0 + t) * G;
+                for (int j = 0; j < 8; j++) { /* + sum over groups of m * sum(x) */
+                    const int64_t o = o0 + j;
+                    const float *m = w->m + o * G;
                     float mins = 0.0f;
                     for (int64_t g = 0; g < G; g++) mins += m[g] * sum[g];
-                    y[(r0 + t) * n + o] = out[j][t] + mins + (w->bias ? w->bias[o] : 0.0f);
+                    y[(r0 + t) * n + o] = out[t][j] + mins + (w->bias ? w->bias[o] : 0.0f);
                 }
             }
+            r0 += rows;
         }
     }
 }
