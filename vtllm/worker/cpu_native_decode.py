@@ -62,7 +62,7 @@ _I = ctypes.c_int64
 
 
 class _Q4(ctypes.Structure):
-    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("d8", _P), ("bias", _P), ("n", _I), ("k", _I)]
+    _fields_ = [("q", _P), ("m", _P), ("d8", _P), ("bias", _P), ("n", _I), ("k", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -120,7 +120,7 @@ class Q4Weight:
     def struct(self) -> _Q4:
         bias = 0 if self.bias is None else self.bias.data_ptr()
         return _Q4(
-            self.interleaved.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), self.d8.data_ptr(),
+            self.interleaved.data_ptr(), self.m.data_ptr(), self.d8.data_ptr(),
             bias, self.n, self.k,
         )  # fmt: skip
 

@@ -34,7 +34,10 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _state: dict[str, ctypes.CDLL | None] = {}
 
 
-def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The kernels built (or found in the cache) with ``FLAGS`` and ``extra_flags`` (e.g.
+    ``-mno-avx2`` for the plain-C paths, in tests); None without a compiler or when the
+    build fails (logged). ``library()`` keeps the default build loaded."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.info("no C compiler: the native CPU kernels are off (torch paths instead)")
@@ -69,14 +72,8 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernels, built on the first call; None where they cannot be built."""
     if "lib" not in _state:
         try:
-            _state["lib"] = _build()
+            _state["lib"] = build()
         except (OSError, subprocess.SubprocessError) as e:
             logger.warning("the native CPU kernels are unavailable (%s): torch paths", e)
             _state["lib"] = None
     return _state["lib"]
-
-
-def build_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
-    """The kernels built with more flags (e.g. ``-mno-avx2``: the plain-C paths), for
-    tests that check one build against another; not cached in memory."""
-    return _build(extra_flags)

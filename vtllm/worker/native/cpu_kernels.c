@@ -30,6 +30,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VT_AVX2 1
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define VT_VNNI 1 /* vpdpbusd on 256-bit vectors */
+#endif
 #endif
 
 /* ---------------------------------------------------------------- attention */
@@ -117,8 +120,7 @@ int vt_decode_attention_f32(const float *q, int64_t q_stride, const float *k_new
 typedef struct {
     const uint8_t *q;  /* [n / 8, k / 32, 4, 8, 4]: blocks of 8 rows (see q4_block); the
                           nibbles of GGUF Q4_1 groups, interleaved */
-    const float *d;    /* [n, k / 32]: element = nibble * d + m */
-    const float *m;    /* [n, k / 32] */
+    const float *m;    /* [n, k / 32]: element = nibble * d + m */
     const float *d8;   /* [n / 8, k / 32, 8]: d of each block of 8 rows, group-major */
     const float *bias; /* [n] or NULL */
     int64_t n, k;      /* n a multiple of 8 */
@@ -189,11 +191,20 @@ static void quantize_rows(const float *x, int64_t R, int64_t k, vt_qrows *out) {
    where -march=native has it (AVX-512 VNNI, AVX-VNNI), else maddubs + madd. The same
    integers either way: every caller keeps each pair of products within int16 (nibbles
    times int8, or |x| <= 127 times w <= 127), where maddubs does not saturate. */
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#ifdef VT_VNNI
+/* acc + the u8 x s8 products of 32 bytes summed by fours (one vpdpbusd). */
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#endif
+
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#ifdef VT_VNNI
+    return dpbusd(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
@@ -244,12 +255,9 @@ static inline __attribute__((always_inline)) void q4_block(const uint8_t *wq, co
             const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             for (int t = 0; t < T; t++) {
                 const int8_t *xs = x->q + (r0 + t) * k + g * 32 + p * 8;
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                dot[t] = _mm256_dpbusd_epi32(dot[t], w0, broadcast4(xs));
-                dot[t] = _mm256_dpbusd_epi32(dot[t], w1, broadcast4(xs + 4));
-#elif defined(__AVXVNNI__)
-                dot[t] = _mm256_dpbusd_avx_epi32(dot[t], w0, broadcast4(xs));
-                dot[t] = _mm256_dpbusd_avx_epi32(dot[t], w1, broadcast4(xs + 4));
+#ifdef VT_VNNI
+                dot[t] = dpbusd(dot[t], w0, broadcast4(xs));
+                dot[t] = dpbusd(dot[t], w1, broadcast4(xs + 4));
 #else
                 dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(w0, broadcast4(xs)));
                 dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(w1, broadcast4(xs + 4)));
@@ -258,7 +266,7 @@ static inline __attribute__((always_inline)) void q4_block(const uint8_t *wq, co
         }
         const __m256 dw = _mm256_loadu_ps(d8 + g * 8);
         for (int t = 0; t < T; t++) {
-#if !((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#ifndef VT_VNNI
             dot[t] = _mm256_madd_epi16(dot[t], _mm256_set1_epi16(1));
 #endif
             const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x->d[(r0 + t) * G + g]));
