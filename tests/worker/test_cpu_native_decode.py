@@ -260,3 +260,33 @@ def test_embedded_model_answers_the_readme_question_as_float32(smollm2_dir):
     native = generate("int4")
     assert native == generate("none")
     assert tokenizer.decode(native).startswith("The capital of France is Paris")
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-int4"])
+def test_a_decode_beside_a_prompt_is_computed_as_alone(tmp_path, monkeypatch, native):
+    """A step that prefills one request and decodes another decodes it exactly as a
+    decode-only step would (quantised weights; the prompt on the dense ones): before, the
+    whole step read the dense weights, so a seeded request's output changed with what
+    shared its first decode."""
+    make_hf_model("llama", tmp_path)
+    params = SamplingParams(temperature=0.0, logprobs=3)
+    decoded = []
+    for beside_a_prompt in (False, True):
+        runner = _runner(tmp_path)
+        if native:
+            assert runner.use_native_decode()
+            calls = _count_native_calls(runner, monkeypatch)
+        engine = EngineSim(runner.execute, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+        engine.add("a", [5, 6, 7], params)
+        engine.step({"a": 3})
+        schedule = {"a": 1}
+        if beside_a_prompt:
+            engine.add("b", [9, 10, 11, 12, 13], params)
+            schedule["b"] = 5
+        output = engine.step(schedule)
+        assert output.request_ids[0] == "a" and len(output.request_ids) == len(schedule)
+        decoded.append(output.top_logprobs[0])
+        if native:
+            assert calls == [1]
+            monkeypatch.undo()
+    assert decoded[0] == decoded[1]

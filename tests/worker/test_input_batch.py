@@ -95,7 +95,7 @@ def expected_step(engine: Engine, schedule: dict[str, int], known: set[str]) -> 
     """What a plain rebuild from the engine's lists gives: per computed request, its
     tokens, positions and slots walked one by one; and which requests fail."""
     out: dict = {"ids": [], "input_ids": [], "positions": [], "slots": [], "tables": []}
-    out.update(query_lens=[], seq_lens=[], samples=[], errors=set())
+    out.update(query_lens=[], seq_lens=[], samples=[], errors=set(), prompt=[])
     for request_id, num in schedule.items():
         request = engine.requests.get(request_id)
         if request_id not in known or request is None:
@@ -108,6 +108,7 @@ def expected_step(engine: Engine, schedule: dict[str, int], known: set[str]) -> 
         if end == len(request.token_ids):
             out["samples"].append(len(out["ids"]))
         out["ids"].append(request_id)
+        out["prompt"].append(start < request.num_prompt_tokens)
         out["query_lens"].append(num)
         out["seq_lens"].append(end)
         out["tables"].append(list(request.block_ids))
@@ -128,6 +129,7 @@ def assert_batch_matches(batch: StepBatch, want: dict) -> None:
     assert batch.query_lens.tolist() == want["query_lens"]
     assert batch.seq_lens.tolist() == want["seq_lens"]
     assert batch.sample_rows == want["samples"]
+    assert batch.prompt_rows.tolist() == want["prompt"]
     ends = np.cumsum(want["query_lens"], dtype=np.int64)
     assert batch.logits_indices.tolist() == [int(ends[r]) - 1 for r in want["samples"]]
     assert batch.query_start_loc.tolist() == [0, *ends.tolist()]
@@ -236,6 +238,7 @@ def test_persistent_state_matches_a_rebuild_from_lists(operations):
             assert np.array_equal(twin_batch.slot_mapping, batch.slot_mapping)
             assert_metadata_matches(batch, want)
             assert_staged_matches(staging, batch, want)
+            assert_subset_matches(engine, step, batch, known, rng)
             errors.update(batch.errors)
             finish_step(engine, states, twin, step, batch, errors, rng)
         # every request sent and still live holds the engine's blocks on the worker
@@ -244,6 +247,18 @@ def test_persistent_state_matches_a_rebuild_from_lists(operations):
                 assert states.block_ids(request_id) == request.block_ids
         assert states.block_table.num_live_rows == len(states)
         assert states.pooling_ids == {r for r in engine.pooling if r in states}
+
+
+def assert_subset_matches(engine, step, batch, known, rng) -> None:
+    """A random part of the step (``StepBatch.subset``) is the step of that part alone,
+    and its tokens are the step's at the indices it returns."""
+    keep = rng.random(batch.num_reqs) < 0.5
+    part, tokens = batch.subset(keep)
+    kept = {batch.request_ids[r] for r in np.flatnonzero(keep).tolist()}
+    schedule = {r: n for r, n in step.num_scheduled_tokens.items() if r in kept}
+    assert_batch_matches(part, expected_step(engine, schedule, known))
+    assert np.array_equal(part.input_ids, batch.input_ids[tokens])
+    assert np.array_equal(part.slot_mapping, batch.slot_mapping[tokens])
 
 
 def send_step(

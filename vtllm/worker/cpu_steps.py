@@ -4,12 +4,21 @@ requests, the compiled decode step (``cpu_compile.py``) for the other decode-onl
 batches, the compiled prompt step (``cpu_compile_prompt.py``) for steps that compute
 prompt tokens. Each is None where it does not apply; a compiled step that raises is
 logged once and dropped (eager from then on).
+
+A step that both prefills and decodes, on a model with quantised linears, is split in two
+(``split_mixed_step``): its decode rows run as a decode-only step would (the quantised
+weights, the native step), its prompt rows through the prompt path (the dense weights).
+A token's numbers then depend on whether it decodes, not on what shares its step: a
+seeded request repeats its output whether its first decode meets another request's
+prompt or not (in one step, the dense weights read for the prompt would decode it).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -18,9 +27,46 @@ from vtllm.worker.cpu_compile import CompiledDecode, compile_reason, try_compile
 from vtllm.worker.cpu_compile_prompt import CompiledPrompt, try_compile_prompt
 from vtllm.worker.cpu_native_decode import MAX_NATIVE_ROWS, NativeDecode, try_native_decode
 from vtllm.worker.input_batch import StepBatch
+from vtllm.worker.layers.cpu_quant import MAX_QUANTIZED_ROWS
 from vtllm.worker.models.llama import KVCache
 
 logger = logging.getLogger(__name__)
+
+Forward = Callable[[StepBatch], tuple[torch.Tensor, torch.Tensor]]
+
+
+def rows_to_split(batch: StepBatch, quantised: bool) -> np.ndarray | None:
+    """``[num_reqs] bool``, the decode rows of a step that also computes prompt tokens,
+    when they should run apart (``quantised``: the model's linears are; see the module
+    docstring); else None. More than
+    ``MAX_QUANTIZED_ROWS`` decode rows read the dense weights in any step: no split."""
+    if not quantised or not batch.has_prompt_tokens:
+        return None
+    decoding = ~batch.prompt_rows & (batch.query_lens == 1)
+    if not decoding.any() or int(decoding.sum()) > MAX_QUANTIZED_ROWS:
+        return None
+    return decoding
+
+
+def split_mixed_step(
+    batch: StepBatch, decoding: np.ndarray, forward: Forward
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``forward`` (the model runner's step) on the rows where ``decoding [num_reqs]`` holds
+    and then on the rest, joined back: (logits ``[num_sampling, vocab]`` in the step's
+    sampling order, hidden ``[num_tokens, hidden]`` in its token order). The previous
+    step's ids must already be fed into ``batch.input_ids``."""
+    decode_part, decode_tokens = batch.subset(decoding)
+    prompt_part, prompt_tokens = batch.subset(~decoding)
+    decode_logits, decode_hidden = forward(decode_part)  # [k, vocab], [k, hidden]
+    prompt_logits, prompt_hidden = forward(prompt_part)
+    sampled_by_decode = torch.from_numpy(decoding[np.array(batch.sample_rows, dtype=np.int64)])
+    logits = prompt_logits.new_empty((len(batch.sample_rows), prompt_logits.shape[1]))
+    logits[sampled_by_decode] = decode_logits.to(logits.dtype)
+    logits[~sampled_by_decode] = prompt_logits
+    hidden = prompt_hidden.new_empty((batch.num_tokens, prompt_hidden.shape[1]))
+    hidden[torch.from_numpy(decode_tokens)] = decode_hidden[: len(decode_tokens)].to(hidden.dtype)
+    hidden[torch.from_numpy(prompt_tokens)] = prompt_hidden
+    return logits, hidden
 
 
 class CpuSteps:

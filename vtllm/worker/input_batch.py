@@ -79,7 +79,8 @@ class StepBatch:
     block_table: np.ndarray  # [table rows, table width] int32 (0 past each row's blocks)
     sample_rows: list[int]  # indices into request_ids of requests that sample
     logits_indices: np.ndarray  # [num_sampling] flat index of each sampler's last token
-    has_prompt_tokens: bool = False  # some request computes tokens of its prompt
+    # [num_reqs] bool: the request computes tokens of its prompt (not only decodes)
+    prompt_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     errors: dict[str, str] = field(default_factory=dict)  # request id → why skipped
     # [k] int64 flat token indices whose input is the previous step's sampled id, and
     # [k] int64 the row of that id among the previous step's samples (async scheduling)
@@ -93,6 +94,44 @@ class StepBatch:
     @property
     def num_reqs(self) -> int:
         return len(self.request_ids)
+
+    @property
+    def has_prompt_tokens(self) -> bool:
+        """Some request of the step computes tokens of its prompt."""
+        return bool(self.prompt_rows.any())
+
+    def subset(self, keep: np.ndarray) -> tuple[StepBatch, np.ndarray]:
+        """The step of the requests where ``keep [num_reqs] bool`` holds, as if built
+        alone, and the ``[num_tokens of the subset]`` int64 flat indices of its tokens in
+        this step. Call after the previous step's ids are fed into ``input_ids``: the
+        subset feeds none (its ``prev_token_*`` are empty). Its ``sample_rows`` keep this
+        step's order, so ``sample_rows`` of both subsets of a split interleave back."""
+        reqs = np.flatnonzero(keep)  # [k] rows kept, in step order
+        token_reqs = np.repeat(np.arange(self.num_reqs), self.query_lens)  # [num_tokens]
+        tokens = np.flatnonzero(keep[token_reqs])  # [k tokens]
+        query_lens = self.query_lens[reqs]
+        query_start_loc = np.zeros(len(reqs) + 1, dtype=self.query_start_loc.dtype)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        new_row = np.cumsum(keep) - 1  # [num_reqs] the kept rows' index in the subset
+        sample_rows = [int(new_row[r]) for r in self.sample_rows if keep[r]]
+        num_blocks = self.num_blocks[reqs]
+        return StepBatch(
+            request_ids=[self.request_ids[r] for r in reqs.tolist()],
+            input_ids=self.input_ids[tokens],
+            positions=self.positions[tokens],
+            slot_mapping=self.slot_mapping[tokens],
+            query_lens=query_lens,
+            seq_lens=self.seq_lens[reqs],
+            query_start_loc=query_start_loc,
+            table_rows=self.table_rows[reqs],
+            num_blocks=num_blocks,
+            max_num_blocks=int(num_blocks.max()) if len(reqs) else 0,
+            row_serials=self.row_serials[reqs],
+            block_table=self.block_table,
+            sample_rows=sample_rows,
+            logits_indices=query_start_loc[np.array(sample_rows, dtype=np.int64) + 1] - np.int64(1),
+            prompt_rows=self.prompt_rows[reqs],
+        ), tokens
 
     def block_tables(self) -> np.ndarray:
         """``[num_reqs, max_num_blocks]`` int32: each request's table, 0-padded (one
@@ -202,7 +241,7 @@ class RequestStates:
         prev_dst: list[int] = []
         prev_src: list[int] = []
         get_state = self._states.get  # the loop below runs once per request per step
-        has_prompt_tokens = False
+        prompt_rows: list[bool] = []
         for request_id, num_scheduled in step.num_scheduled_tokens.items():
             state = get_state(request_id)
             if state is None or request_id in errors:
@@ -219,11 +258,10 @@ class RequestStates:
                     f"{num_tokens} tokens are known"
                 )
                 continue
-            if start < state.num_prompt_tokens:
-                has_prompt_tokens = True
             if end >= num_tokens:
                 sample_rows.append(len(request_ids))
             request_ids.append(request_id)
+            prompt_rows.append(start < state.num_prompt_tokens)
             rows.append(state.table_row)
             query_lens.append(num_scheduled)
             seq_lens.append(end)
@@ -260,7 +298,7 @@ class RequestStates:
             block_table=self.block_table.table,
             sample_rows=sample_rows,
             logits_indices=last_tokens,
-            has_prompt_tokens=has_prompt_tokens,
+            prompt_rows=np.array(prompt_rows, dtype=bool),
             prev_token_dst=np.array(prev_dst, dtype=np.int64),
             prev_token_src=np.array(prev_src, dtype=np.int64),
         ), token_reqs

@@ -33,8 +33,9 @@ from vtllm.worker.attention import (
     attention_metadata,
     build_attention_metadata,
 )
+from vtllm.worker.cpu_compile import has_quantised_linears
 from vtllm.worker.cpu_precision import bf16_products, choose_bf16_prefill
-from vtllm.worker.cpu_steps import CpuSteps
+from vtllm.worker.cpu_steps import CpuSteps, rows_to_split, split_mixed_step
 from vtllm.worker.decode_graphs import DecodeGraphs, capture_sizes
 from vtllm.worker.distributed import TPGroup
 from vtllm.worker.grammar import GrammarCompilerService, StructuredOutputs
@@ -125,6 +126,8 @@ class ModelRunner:
         self.tokenizer_dir = tokenizer_dir
         self.structured: StructuredOutputs | None = None  # on the driver, at first use
         self.platform = platform_of(device)
+        # CPU steps that prefill and decode run as two (cpu_steps.split_mixed_step)
+        self.split_mixed_steps = not self.platform.is_gpu and has_quantised_linears(model)
         # prompt steps of a float32 model in bf16 arithmetic (cpu_precision.py)
         self.bf16_prefill = choose_bf16_prefill(self.platform.is_gpu, dtype)
         # the last step's sampled ids, kept on the device for the next step's inputs
@@ -383,6 +386,10 @@ class ModelRunner:
             rows = self._to_device(batch.logits_indices)
             return self.model.compute_logits(hidden.index_select(0, rows)), hidden
         prompt = batch.has_prompt_tokens  # quantised CPU layers use their dense weights
+        decoding = rows_to_split(batch, self.split_mixed_steps)
+        if decoding is not None:
+            self._feed_previous_tokens(torch.from_numpy(batch.input_ids), batch)  # shared
+            return split_mixed_step(batch, decoding, self._forward_logits)
         if batch.num_tokens == batch.num_reqs and not prompt and not self.platform.is_gpu:
             input_ids = torch.from_numpy(batch.input_ids)  # [num_reqs]; shares memory
             self._feed_previous_tokens(input_ids, batch)
