@@ -5,7 +5,7 @@
 # Phases, run in the order given:
 #   graph-tests   the decode-graph GPU tests (fast)
 #   gpu-tests     every `pytest -m gpu` test (the memory-measuring modules alone, then the
-#                 rest over $GPU_TEST_WORKERS xdist processes, default 6; ~? min)
+#                 rest over $GPU_TEST_WORKERS xdist processes, default 6, 4 under 100 GiB; ~4-6 min)
 #   gpu-subset    the GPU tests named in $GPU_TESTS (pytest arguments; $GPU_SUBSET_TIMEOUT s)
 #   load-tests    weights to the GPU with the host RSS peak: a 1.6 GiB safetensors checkpoint
 #                 and a 16 GiB random model (tests/worker/test_weight_streaming.py)
@@ -87,8 +87,12 @@ for phase in "$@"; do
       timeout 240 python3 -m pytest -m gpu -q -rP -p no:cacheprovider --durations=10 \
         $GPU_MEMORY_TESTS >> "$OUT/gpu_tests.txt" 2>&1
       echo "serial part: rc=$? $(( $(date +%s) - suite_start )) s" | tee -a "$OUT/gpu_tests.txt"
+      # 6 workers fit an H200; on 80 GB the realistic MoE layers of two workers at once
+      # ran out of memory (session 27), so 4 there
+      gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+      workers=${GPU_TEST_WORKERS:-$([ "${gpu_mib:-0}" -ge 100000 ] && echo 6 || echo 4)}
       timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 \
-        -n "${GPU_TEST_WORKERS:-6}" --dist load tests/worker tests/test_boundaries.py \
+        -n "$workers" --dist load tests/worker tests/test_boundaries.py \
         $(printf -- ' --ignore=%s' $GPU_MEMORY_TESTS) >> "$OUT/gpu_tests.txt" 2>&1
       echo "GPU suite: rc=$? $(( $(date +%s) - suite_start )) s in all" | tee -a "$OUT/gpu_tests.txt" ;;
     bench-qwen3-30b-a3b|bench-gemma4-26b-moe)
