@@ -62,7 +62,7 @@ _I = ctypes.c_int64
 
 
 class _Q4(ctypes.Structure):
-    _fields_ = [("q", _P), ("m", _P), ("d8", _P), ("bias", _P), ("n", _I), ("k", _I)]
+    _fields_ = [("q", _P), ("m8", _P), ("d8", _P), ("bias", _P), ("n", _I), ("k", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -88,8 +88,8 @@ class Q4Weight:
     4, 8, 4] uint8``, blocks of 8 rows: byte ``[block, g, p, j, b]`` holds row ``8 block +
     j``'s element ``8 p + b`` of group ``g`` in its low nibble and ``8 p + 4 + b`` in its
     high one (a 32-byte load is four elements of eight rows); ``d`` and ``m`` ``[n, k /
-    32]`` float32 (``w = nibble * d + m``), ``d8 [n / 8, k / 32, 8]`` (``d`` of each
-    block of 8 rows, group-major), ``bias [n]`` float32 or None; ``n`` a multiple of 8
+    32]`` float32 (``w = nibble * d + m``), ``d8`` and ``m8 [n / 8, k / 32, 8]`` (``d``,
+    ``m`` of each block of 8 rows, group-major), ``bias [n]`` float32 or None; ``n`` a multiple of 8
     (``cpu_quant.int4_supported``: of 16)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -103,6 +103,7 @@ class Q4Weight:
         self.d = scale.contiguous()
         self.m = (zero - 8.0 * scale).contiguous()
         self.d8 = self.d.view(n // 8, 8, groups).transpose(1, 2).contiguous()
+        self.m8 = self.m.view(n // 8, 8, groups).transpose(1, 2).contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.n, self.k = n, k
 
@@ -120,7 +121,7 @@ class Q4Weight:
     def struct(self) -> _Q4:
         bias = 0 if self.bias is None else self.bias.data_ptr()
         return _Q4(
-            self.interleaved.data_ptr(), self.m.data_ptr(), self.d8.data_ptr(),
+            self.interleaved.data_ptr(), self.m8.data_ptr(), self.d8.data_ptr(),
             bias, self.n, self.k,
         )  # fmt: skip
 

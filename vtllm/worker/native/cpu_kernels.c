@@ -120,7 +120,8 @@ int vt_decode_attention_f32(const float *q, int64_t q_stride, const float *k_new
 typedef struct {
     const uint8_t *q;  /* [n / 8, k / 32, 4, 8, 4]: blocks of 8 rows (see q4_block); the
                           nibbles of GGUF Q4_1 groups, interleaved */
-    const float *m;    /* [n, k / 32]: element = nibble * d + m */
+    const float *m8;   /* [n / 8, k / 32, 8]: m of each block of 8 rows, group-major
+                          (element = nibble * d + m) */
     const float *d8;   /* [n / 8, k / 32, 8]: d of each block of 8 rows, group-major */
     const float *bias; /* [n] or NULL */
     int64_t n, k;      /* n a multiple of 8 */
@@ -240,11 +241,12 @@ static inline __m256i broadcast4(const int8_t *x) {
    rounding a group, the same arithmetic for every (row, activation row) pair whatever T,
    so a request's outputs do not depend on its batch. */
 static inline __attribute__((always_inline)) void q4_block(const uint8_t *wq, const float *d8,
-                                                           int64_t G, const vt_qrows *x,
-                                                           int64_t r0, int T, __m256 *acc) {
+                                                           const float *m8, int64_t G,
+                                                           const vt_qrows *x, int64_t r0,
+                                                           int T, __m256 *acc, __m256 *mins) {
     const int64_t k = G * 32;
     const __m256i low = _mm256_set1_epi8(15);
-    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int t = 0; t < T; t++) acc[t] = mins[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m256i dot[4];
         for (int t = 0; t < T; t++) dot[t] = _mm256_setzero_si256();
@@ -264,8 +266,9 @@ static inline __attribute__((always_inline)) void q4_block(const uint8_t *wq, co
 #endif
             }
         }
-        const __m256 dw = _mm256_loadu_ps(d8 + g * 8);
-        for (int t = 0; t < T; t++) {
+        const __m256 dw = _mm256_loadu_ps(d8 + g * 8), mw = _mm256_loadu_ps(m8 + g * 8);
+        for (int t = 0; t < T; t++) { /* + m * sum(x) of the group, in its own accumulator */
+            mins[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x->sum[(r0 + t) * G + g]), mins[t]);
 #ifndef VT_VNNI
             dot[t] = _mm256_madd_epi16(dot[t], _mm256_set1_epi16(1));
 #endif
@@ -285,15 +288,16 @@ static inline int q4_nibble(const uint8_t *wq, int64_t g, int j, int e) {
 /* One output row j of block wq against one activation row, in plain C (CPUs without
    AVX2): the sum over groups of float(integer dot) * (d * d_x), group after group, one
    rounding each, as q4_block's lanes. */
-static inline float q4_dot_row(const uint8_t *wq, const float *d8, int64_t G, int j,
-                               const int8_t *xq, const float *xd) {
-    float acc = 0.0f;
+static inline float q4_dot_row(const uint8_t *wq, const float *d8, const float *m8, int64_t G,
+                               int j, const int8_t *xq, const float *xd, const float *xsum) {
+    float acc = 0.0f, mins = 0.0f;
     for (int64_t g = 0; g < G; g++) {
         int32_t dot = 0;
         for (int e = 0; e < 32; e++) dot += q4_nibble(wq, g, j, e) * xq[g * 32 + e];
         acc = fmaf((float)dot, d8[g * 8 + j] * xd[g], acc);
+        mins = fmaf(m8[g * 8 + j], xsum[g], mins);
     }
-    return acc;
+    return acc + mins;
 }
 
 /* y[r, o] = x[r] . W[o] (+ bias[o]) for r < R, o < n: W int4 (Q4_1 groups in q4_block's
@@ -305,33 +309,27 @@ static void q4_linear(const vt_q4 *w, const vt_qrows *x, int64_t R, float *y) {
 #pragma omp for schedule(static)
     for (int64_t o0 = 0; o0 < n; o0 += 8) {
         const uint8_t *wq = w->q + o0 * G * 16; /* [G, 4, 8, 4] */
-        const float *d8 = w->d8 + o0 * G;       /* [G, 8] */
+        const float *d8 = w->d8 + o0 * G, *m8 = w->m8 + o0 * G; /* [G, 8] each */
         for (int64_t r0 = 0; r0 < R;) {
             const int64_t rows = R - r0 >= 4 ? 4 : 1;
             float out[4][8]; /* [activation row t][weight row j] */
 #ifdef VT_AVX2
-            __m256 acc[4];
+            __m256 acc[4], mins[4];
             if (rows == 4)
-                q4_block(wq, d8, G, x, r0, 4, acc);
+                q4_block(wq, d8, m8, G, x, r0, 4, acc, mins);
             else
-                q4_block(wq, d8, G, x, r0, 1, acc);
-            for (int64_t t = 0; t < rows; t++) _mm256_storeu_ps(out[t], acc[t]);
+                q4_block(wq, d8, m8, G, x, r0, 1, acc, mins);
+            for (int64_t t = 0; t < rows; t++)
+                _mm256_storeu_ps(out[t], _mm256_add_ps(acc[t], mins[t]));
 #else
             for (int64_t t = 0; t < rows; t++)
                 for (int j = 0; j < 8; j++)
-                    out[t][j] = q4_dot_row(wq, d8, G, j, x->q + (r0 + t) * G * 32,
-                                           x->d + (r0 + t) * G);
+                    out[t][j] = q4_dot_row(wq, d8, m8, G, j, x->q + (r0 + t) * G * 32,
+                                           x->d + (r0 + t) * G, x->sum + (r0 + t) * G);
 #endif
-            for (int64_t t = 0; t < rows; t++) {
-                const float *sum = x->sum + (r0 + t) * G;
-                for (int j = 0; j < 8; j++) { /* + sum over groups of m * sum(x) */
-                    const int64_t o = o0 + j;
-                    const float *m = w->m + o * G;
-                    float mins = 0.0f;
-                    for (int64_t g = 0; g < G; g++) mins += m[g] * sum[g];
-                    y[(r0 + t) * n + o] = out[t][j] + mins + (w->bias ? w->bias[o] : 0.0f);
-                }
-            }
+            for (int64_t t = 0; t < rows; t++)
+                for (int j = 0; j < 8; j++)
+                    y[(r0 + t) * n + o0 + j] = out[t][j] + (w->bias ? w->bias[o0 + j] : 0.0f);
             r0 += rows;
         }
     }
