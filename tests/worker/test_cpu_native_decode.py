@@ -49,8 +49,9 @@ def test_q4_repacking_keeps_the_int4_weights():
 
 
 def test_the_plain_c_product_matches_its_reference():
-    """Built without AVX2 (plain C), the int4 product equals its torch reference to float32
-    rounding, and each row alone gives the same bits as in the batch."""
+    """Built without AVX2 (plain C), the int4 and int8 products equal their torch
+    references to float32 rounding, and each row alone gives the same bits as in the
+    batch; the int8 one with rows that are not a whole block of 8 (77)."""
     plain = native_build.build(("-mno-avx2", "-mno-fma"))
     assert plain is not None
     torch.manual_seed(5)
@@ -62,6 +63,17 @@ def test_the_plain_c_product_matches_its_reference():
     )
     for r in range(x.shape[0]):
         assert torch.equal(cpu_native_decode.q4_linear(q4, x[r : r + 1], plain), got[r : r + 1])
+    q8, scale, _ = cpu_quant.quantize_int8(torch.randn(77, 320) * 0.05)
+    scale = scale.float()
+    for library in (plain, None):  # plain C, then this CPU's build
+        got = cpu_native_decode.q8_linear(q8, scale, x, library)
+        torch.testing.assert_close(
+            got, cpu_native_decode.q8_linear_reference(q8, scale, x), atol=2e-5, rtol=1e-5
+        )
+        for r in range(x.shape[0]):
+            assert torch.equal(
+                cpu_native_decode.q8_linear(q8, scale, x[r : r + 1], library), got[r : r + 1]
+            )
 
 
 @pytest.mark.parametrize("num_rows", [1, 3, 8, 13])

@@ -29,7 +29,8 @@ quantised layers use their dense weights anyway: ``cpu_quant.MAX_QUANTIZED_ROWS`
 ``LlamaForCausalLM`` whose linears are all int4 without bias on the MLP and output, SiLU,
 no sliding window, float32 weights and KV cache (``native_reason`` says why not).
 ``VT_CPU_NATIVE_DECODE``: ``auto`` (default) uses it where it applies, ``off`` never.
-The extra memory: the repacked weights (5 bits a weight: ~70 MB for SmolLM2-135M).
+The extra memory: the repacked weights (5 bits a weight: ~70 MB for SmolLM2-135M) and the
+LM head's int8 rows interleaved in blocks of 8 (`interleave_q8`, ~28 MB).
 """
 
 from __future__ import annotations
@@ -142,16 +143,35 @@ def q4_linear(
     return y
 
 
-def q8_linear(q_weight: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def interleave_q8(q_weight: torch.Tensor) -> torch.Tensor:
+    """``q_weight [n, k]`` int8 in the kernel's LM-head layout: ``[ceil(n / 8), k / 32, 8,
+    8, 4]``, blocks of 8 rows, byte ``[block, g, p, j, b]`` holding row ``8 block + j``'s
+    element ``4 p + b`` of group ``g`` (a 32-byte load is four elements of eight rows; rows
+    past ``n`` are zero)."""
+    n, k = q_weight.shape
+    if n % 8:
+        q_weight = torch.cat([q_weight, q_weight.new_zeros(-n % 8, k)])
+    blocks = q_weight.view(-1, 8, k // INT4_GROUP_SIZE, 8, 4)  # [block, j, g, p, b]
+    return blocks.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def q8_linear(
+    q_weight: torch.Tensor,
+    scale: torch.Tensor,
+    x: torch.Tensor,
+    library: ctypes.CDLL | None = None,
+) -> torch.Tensor:
     """``x [R, k]`` float32 times an int8 weight ``[n, k]`` with row scales ``[n]``
-    float32 through the kernel (``vt_q8_linear``): ``[R, n]``."""
+    float32 through the kernel (``vt_q8_linear`` of ``library``, by default
+    ``native_build.library()``): ``[R, n]``."""
     x = x.float().contiguous()
     n, k = q_weight.shape
+    interleaved = interleave_q8(q_weight)
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    function = native_build.library().vt_q8_linear  # type: ignore[union-attr]
+    function = (library or native_build.library()).vt_q8_linear  # type: ignore[union-attr]
     function.argtypes = [_P, _P, _I, _I, _P, _I, _P]
     status = function(
-        q_weight.data_ptr(), scale.data_ptr(), n, k, x.data_ptr(), x.shape[0], y.data_ptr()
+        interleaved.data_ptr(), scale.data_ptr(), n, k, x.data_ptr(), x.shape[0], y.data_ptr()
     )
     if status != 0:
         raise MemoryError("vt_q8_linear: out of memory")
@@ -209,7 +229,8 @@ class NativeDecode:
                 }
             )
         head = model.lm_head
-        self.lm_q = head.qweight.contiguous()  # [vocab, hidden] int8
+        self.lm_q = head.qweight.contiguous()  # [vocab, hidden] int8 (the reference's)
+        self.lm_interleaved = interleave_q8(self.lm_q)  # the kernel's layout
         self.lm_scale = head.qscale.float().contiguous()  # [vocab]
         self.embed = model.model.embed_tokens.weight.data.contiguous()  # [vocab, hidden]
         self.cos_sin = model.rotary.cos_sin_cache.contiguous()  # [max_position, head_dim]
@@ -229,7 +250,7 @@ class NativeDecode:
             block_size, len(self.layers), self.cos_sin.shape[0],
             args.rms_norm_eps, args.attention_scale,
             self.embed.data_ptr(), model.model.norm.weight.data.data_ptr(),
-            self.lm_q.data_ptr(), self.lm_scale.data_ptr(), self.cos_sin.data_ptr(),
+            self.lm_interleaved.data_ptr(), self.lm_scale.data_ptr(), self.cos_sin.data_ptr(),
             self._layer_structs,
         )  # fmt: skip
         function = native_build.library().vt_decode_step  # type: ignore[union-attr]

@@ -140,7 +140,7 @@ typedef struct {
     float eps, scale;
     const float *embed;      /* [vocab, hidden] */
     const float *final_norm; /* [hidden] */
-    const int8_t *lm_q;      /* [vocab, hidden] */
+    const int8_t *lm_q;      /* [vocab / 8 (rounded up), hidden / 32, 8, 8, 4]: q8_block's */
     const float *lm_scale;   /* [vocab]: logit = scale * (q . x) */
     const float *cos_sin;    /* [max_position, head_dim]: cos | sin */
     const vt_layer *layers;  /* [num_layers] */
@@ -152,18 +152,17 @@ typedef struct {
     int8_t *q;  /* [R, k] */
     float *d;   /* [R, k / 32] */
     float *sum; /* [R, k / 32] */
-    float *d8;  /* [R / 8, k / 32, 8]: d of each whole tile of 8 rows, group-major */
 } vt_qrows;
 
 static vt_qrows alloc_qrows(int64_t R, int64_t k) {
     vt_qrows x = {malloc(R * k), malloc(sizeof(float) * R * k / 32),
-                  malloc(sizeof(float) * R * k / 32), malloc(sizeof(float) * (R + 8) * k / 32)};
+                  malloc(sizeof(float) * R * k / 32)};
     return x;
 }
 
-static int qrows_ok(const vt_qrows *x) { return x->q && x->d && x->sum && x->d8; }
+static int qrows_ok(const vt_qrows *x) { return x->q && x->d && x->sum; }
 
-static void free_qrows(vt_qrows *x) { free(x->q), free(x->d), free(x->sum), free(x->d8); }
+static void free_qrows(vt_qrows *x) { free(x->q), free(x->d), free(x->sum); }
 
 /* Row r of out from x [k] (any thread may quantise any row). */
 static void quantize_row(const float *x, int64_t r, int64_t k, vt_qrows *out) {
@@ -179,7 +178,6 @@ static void quantize_row(const float *x, int64_t r, int64_t k, vt_qrows *out) {
         for (int j = 0; j < 32; j++) q[j] = d > 0.0f ? (int8_t)nearbyintf(xg[j] / d) : 0;
         out->d[r * (k / 32) + g] = d;
         out->sum[r * (k / 32) + g] = sum;
-        out->d8[((r / 8) * (k / 32) + g) * 8 + r % 8] = d;
     }
 }
 
@@ -213,16 +211,6 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 
 #ifdef VT_AVX2
-/* The horizontal sums of eight int32x8 vectors, as one vector (sum of d[t] in lane t). */
-static inline __m256i hsum_8x8(const __m256i *d) {
-    const __m256i a = _mm256_hadd_epi32(d[0], d[1]), b = _mm256_hadd_epi32(d[2], d[3]);
-    const __m256i c = _mm256_hadd_epi32(d[4], d[5]), e = _mm256_hadd_epi32(d[6], d[7]);
-    const __m256i ab = _mm256_hadd_epi32(a, b), ce = _mm256_hadd_epi32(c, e);
-    /* ab: lanes 0-3 rows 0-3 over elements 0-3 | lanes 4-7 rows 0-3 over 4-7; ce rows 4-7 */
-    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, ce, 0x20),
-                            _mm256_permute2x128_si256(ab, ce, 0x31));
-}
-
 /* Four activation bytes (elements 4s..4s+3 of a row) in every 32-bit lane. */
 static inline __m256i broadcast4(const int8_t *x) {
     int32_t word;
@@ -336,71 +324,86 @@ static void q4_linear(const vt_q4 *w, const vt_qrows *x, int64_t R, float *y) {
 }
 
 #ifdef VT_AVX2
-/* The integer dot of 32 int8 weights with 32 int8 activations, as 8 int32 partial sums
-   (maddubs wants an unsigned operand: |x| times w carrying x's sign). */
-static inline __m256i q8_dot32(__m256i w, __m256i x) {
-    return dot_u8s8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
+/* The 8 logits of LM-head rows o0..o0+7 (lane j: row o0 + j) for T activation rows, as
+   q4_block does it for int4: each group of a block is 256 bytes, eight of 32 (p = 0..7),
+   byte 4j + b holding row j's element 4p + b (int8, -127..127). A load gives eight rows'
+   four weights of one step, multiplied by that step's 4 activation bytes broadcast;
+   maddubs wants an unsigned operand, so |w| times x carrying w's sign (pairs within
+   +-32,258: no saturation), widened every step (madd; vpdpbusd with VNNI). Each lane
+   then takes float(dot) * d_x, one rounding a group, the same for every (row, activation
+   row) pair whatever T: batch-invariant. */
+static inline __attribute__((always_inline)) void q8_block(const int8_t *wq, int64_t G,
+                                                           const vt_qrows *x, int64_t r0,
+                                                           int T, __m256 *acc) {
+    const int64_t k = G * 32;
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256i dot[4];
+        for (int t = 0; t < T; t++) dot[t] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+        for (int p = 0; p < 8; p++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(wq + g * 256 + p * 32));
+            const __m256i magnitude = _mm256_sign_epi8(w, w);
+            for (int t = 0; t < T; t++) {
+                const __m256i xs = _mm256_sign_epi8(
+                    broadcast4(x->q + (r0 + t) * k + g * 32 + p * 4), w);
+#ifdef VT_VNNI
+                dot[t] = dpbusd(dot[t], magnitude, xs);
+#else
+                dot[t] = _mm256_add_epi32(dot[t], dot_u8s8(magnitude, xs));
+#endif
+            }
+        }
+        for (int t = 0; t < T; t++)
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]),
+                                     _mm256_set1_ps(x->d[(r0 + t) * G + g]), acc[t]);
+    }
 }
 #endif
 
-/* One int8 weight row against one quantised activation row: the sum over groups of
-   float(integer dot) * d_x, group after group with one rounding each, as a lane of
-   q8_tile8 (batch invariance, as q4_dot_row). */
-static inline float q8_dot_row(const int8_t *qo, int64_t G, const int8_t *xq, const float *xd) {
+/* One LM-head row j of block wq against one activation row, in plain C (CPUs without
+   AVX2): the sum over groups of float(integer dot) * d_x, one rounding each, as
+   q8_block's lanes. */
+static inline float q8_dot_row(const int8_t *wq, int64_t G, int j, const int8_t *xq,
+                               const float *xd) {
     float acc = 0.0f;
-    int64_t g = 0;
-#ifdef VT_AVX2
-    for (; g + 8 <= G; g += 8) {
-        __m256i dots[8];
-        for (int t = 0; t < 8; t++)
-            dots[t] = q8_dot32(_mm256_loadu_si256((const __m256i *)(qo + (g + t) * 32)),
-                               _mm256_loadu_si256((const __m256i *)(xq + (g + t) * 32)));
-        float sums[8];
-        _mm256_storeu_ps(sums, _mm256_cvtepi32_ps(hsum_8x8(dots)));
-        for (int t = 0; t < 8; t++) acc = fmaf(sums[t], xd[g + t], acc);
-    }
-#endif
-    for (; g < G; g++) {
+    for (int64_t g = 0; g < G; g++) {
         int32_t dot = 0;
-        for (int j = 0; j < 32; j++) dot += qo[g * 32 + j] * xq[g * 32 + j];
+        for (int e = 0; e < 32; e++) dot += wq[g * 256 + (e / 4) * 32 + j * 4 + e % 4] * xq[g * 32 + e];
         acc = fmaf((float)dot, xd[g], acc);
     }
     return acc;
 }
 
-/* logits[r, o] = scale[o] * (q[o] . x[r]): the int8 LM head, x quantised, inside a
-   parallel region; rows in whole tiles of 8 share each weight load. */
+/* logits[r, o] = scale[o] * (q[o] . x[r]): the int8 LM head (q in q8_block's layout, rows
+   past n zero), x quantised, inside a parallel region; blocks of 8 rows shared out among
+   its threads, activation rows four at a time, then one at a time. */
 static void q8_linear(const int8_t *q, const float *scale, int64_t n, int64_t k,
                       const vt_qrows *x, int64_t R, float *y) {
     const int64_t G = k / 32;
 #pragma omp for schedule(static)
-    for (int64_t o = 0; o < n; o++) {
-        const int8_t *qo = q + o * k;
-        for (int64_t r0 = 0; r0 < R; r0 += 8) {
-            const int64_t rows = R - r0 < 8 ? R - r0 : 8;
+    for (int64_t o0 = 0; o0 < n; o0 += 8) {
+        const int8_t *wq = q + o0 * k; /* [G, 8, 8, 4] */
+        const int width = n - o0 < 8 ? (int)(n - o0) : 8;
+        for (int64_t r0 = 0; r0 < R;) {
+            const int64_t rows = R - r0 >= 4 ? 4 : 1;
+            float out[4][8]; /* [activation row t][weight row j] */
 #ifdef VT_AVX2
-            if (rows == 8) {
-                const float *d8 = x->d8 + (r0 / 8) * G * 8;
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t g = 0; g < G; g++) {
-                    const __m256i w = _mm256_loadu_si256((const __m256i *)(qo + g * 32));
-                    __m256i dots[8];
-                    for (int t = 0; t < 8; t++)
-                        dots[t] = q8_dot32(w, _mm256_loadu_si256(
-                                                  (const __m256i *)(x->q + (r0 + t) * k + g * 32)));
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum_8x8(dots)),
-                                          _mm256_loadu_ps(d8 + g * 8), acc);
-                }
-                float out[8];
-                _mm256_storeu_ps(out, acc);
-                for (int t = 0; t < 8; t++) y[(r0 + t) * n + o] = out[t] * scale[o];
-                continue;
-            }
+            __m256 acc[4];
+            if (rows == 4)
+                q8_block(wq, G, x, r0, 4, acc);
+            else
+                q8_block(wq, G, x, r0, 1, acc);
+            for (int64_t t = 0; t < rows; t++) _mm256_storeu_ps(out[t], acc[t]);
+#else
+            for (int64_t t = 0; t < rows; t++)
+                for (int j = 0; j < 8; j++)
+                    out[t][j] = q8_dot_row(wq, G, j, x->q + (r0 + t) * k, x->d + (r0 + t) * G);
 #endif
-            for (int64_t t = 0; t < rows; t++) {
-                const int64_t r = r0 + t;
-                y[r * n + o] = q8_dot_row(qo, G, x->q + r * k, x->d + r * G) * scale[o];
-            }
+            for (int64_t t = 0; t < rows; t++)
+                for (int j = 0; j < width; j++)
+                    y[(r0 + t) * n + o0 + j] = out[t][j] * scale[o0 + j];
+            r0 += rows;
         }
     }
 }
