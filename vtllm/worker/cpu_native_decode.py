@@ -90,8 +90,8 @@ class Q4Weight:
     j``'s element ``8 p + b`` of group ``g`` in its low nibble and ``8 p + 4 + b`` in its
     high one (a 32-byte load is four elements of eight rows); ``d`` and ``m`` ``[n, k /
     32]`` float32 (``w = nibble * d + m``), ``d8`` and ``m8 [n / 8, k / 32, 8]`` (``d``,
-    ``m`` of each block of 8 rows, group-major), ``bias [n]`` float32 or None; ``n`` a multiple of 8
-    (``cpu_quant.int4_supported``: of 16)."""
+    ``m`` of each block of 8 rows, group-major), ``bias [n]`` float32 or None; ``n`` a
+    multiple of 8 (``cpu_quant.int4_supported``: of 16)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         n, k = weight.shape
@@ -163,7 +163,8 @@ def q8_linear(
 ) -> torch.Tensor:
     """``x [R, k]`` float32 times an int8 weight ``[n, k]`` with row scales ``[n]``
     float32 through the kernel (``vt_q8_linear`` of ``library``, by default
-    ``native_build.library()``): ``[R, n]``."""
+    ``native_build.library()``): ``[R, n]``. For tests: it repacks the weight every call
+    (the step keeps ``NativeDecode.lm_interleaved``)."""
     x = x.float().contiguous()
     n, k = q_weight.shape
     interleaved = interleave_q8(q_weight)

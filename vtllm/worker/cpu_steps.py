@@ -38,8 +38,8 @@ Forward = Callable[[StepBatch], tuple[torch.Tensor, torch.Tensor]]
 def rows_to_split(batch: StepBatch, quantised: bool) -> np.ndarray | None:
     """``[num_reqs] bool``, the decode rows of a step that also computes prompt tokens,
     when they should run apart (``quantised``: the model's linears are; see the module
-    docstring); else None. More than
-    ``MAX_QUANTIZED_ROWS`` decode rows read the dense weights in any step: no split."""
+    docstring); else None. More than ``MAX_QUANTIZED_ROWS`` decode rows read the dense
+    weights in any step: no split."""
     if not quantised or not batch.has_prompt_tokens:
         return None
     decoding = ~batch.prompt_rows & (batch.query_lens == 1)

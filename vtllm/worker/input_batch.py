@@ -107,11 +107,10 @@ class StepBatch:
         subset feeds none (its ``prev_token_*`` are empty). Its ``sample_rows`` keep this
         step's order, so ``sample_rows`` of both subsets of a split interleave back."""
         reqs = np.flatnonzero(keep)  # [k] rows kept, in step order
-        token_reqs = np.repeat(np.arange(self.num_reqs), self.query_lens)  # [num_tokens]
+        _, token_reqs, _ = token_layout(self.query_lens, self.seq_lens, self.num_tokens)
         tokens = np.flatnonzero(keep[token_reqs])  # [k tokens]
         query_lens = self.query_lens[reqs]
-        query_start_loc = np.zeros(len(reqs) + 1, dtype=self.query_start_loc.dtype)
-        np.cumsum(query_lens, out=query_start_loc[1:])
+        query_start_loc, _, _ = token_layout(query_lens, self.seq_lens[reqs], len(tokens))
         new_row = np.cumsum(keep) - 1  # [num_reqs] the kept rows' index in the subset
         sample_rows = [int(new_row[r]) for r in self.sample_rows if keep[r]]
         num_blocks = self.num_blocks[reqs]
@@ -129,7 +128,7 @@ class StepBatch:
             row_serials=self.row_serials[reqs],
             block_table=self.block_table,
             sample_rows=sample_rows,
-            logits_indices=query_start_loc[np.array(sample_rows, dtype=np.int64) + 1] - np.int64(1),
+            logits_indices=last_token_indices(query_start_loc, sample_rows),
             prompt_rows=self.prompt_rows[reqs],
         ), tokens
 
@@ -137,6 +136,12 @@ class StepBatch:
         """``[num_reqs, max_num_blocks]`` int32: each request's table, 0-padded (one
         vectorised gather)."""
         return self.block_table[self.table_rows, : self.max_num_blocks]
+
+
+def last_token_indices(query_start_loc: np.ndarray, sample_rows: list[int]) -> np.ndarray:
+    """``[len(sample_rows)]`` int64: the flat index of each sampling request's last token
+    (``query_start_loc [num_reqs + 1]``)."""
+    return query_start_loc[np.array(sample_rows, dtype=np.int64) + 1] - np.int64(1)
 
 
 _NO_STATE = "scheduled but the worker holds no state for it"
@@ -281,8 +286,6 @@ class RequestStates:
             query_lens_np, seq_lens_np, len(input_ids)
         )
         num_blocks = self.block_table.num_blocks[table_rows]
-        # the flat index of each sampling request's last token
-        last_tokens = query_start_loc[np.array(sample_rows, dtype=np.int64) + 1] - np.int64(1)
         return StepBatch(
             request_ids=request_ids,
             input_ids=np.array(input_ids, dtype=np.int64),
@@ -297,7 +300,7 @@ class RequestStates:
             row_serials=self.block_table.serials[table_rows],
             block_table=self.block_table.table,
             sample_rows=sample_rows,
-            logits_indices=last_tokens,
+            logits_indices=last_token_indices(query_start_loc, sample_rows),
             prompt_rows=np.array(prompt_rows, dtype=bool),
             prev_token_dst=np.array(prev_dst, dtype=np.int64),
             prev_token_src=np.array(prev_src, dtype=np.int64),

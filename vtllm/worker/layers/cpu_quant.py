@@ -23,8 +23,8 @@ unquantised model's, also when the prefix cache leaves one prompt token to compu
 prompt is short (before, such a step read the int4 weights, and on an AVX-512 Xeon the
 README's question got "L'Étoile, ..." from a prefix-cache hit). Decode steps read the
 packed weights, also the decodes of a step that prefills others: the model runner runs
-them apart (``cpu_steps.split_mixed_step``). Not batch-invariant: a request recomputed after preemption prefills what
-it had decoded, through the other path.
+them apart (``cpu_steps.split_mixed_step``). Not batch-invariant: a request recomputed
+after preemption prefills what it had decoded, through the other path.
 
 The LM head quantises to int8 in both formats (its logits are the most sensitive).
 A layer whose shape a kernel cannot take (int4: inputs not a multiple of 32 or outputs not a

@@ -369,7 +369,8 @@ static inline float q8_dot_row(const int8_t *wq, int64_t G, int j, const int8_t 
     float acc = 0.0f;
     for (int64_t g = 0; g < G; g++) {
         int32_t dot = 0;
-        for (int e = 0; e < 32; e++) dot += wq[g * 256 + (e / 4) * 32 + j * 4 + e % 4] * xq[g * 32 + e];
+        for (int e = 0; e < 32; e++)
+            dot += wq[g * 256 + (e / 4) * 32 + j * 4 + e % 4] * xq[g * 32 + e];
         acc = fmaf((float)dot, xd[g], acc);
     }
     return acc;
