@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from vtllm.worker import cpu_compile, cpu_decode_kernel
+from vtllm.worker import cpu_compile, cpu_decode_kernel, native_build
 
 pytestmark = pytest.mark.skipif(
     not cpu_decode_kernel.available(), reason="no C compiler to build the kernel here"
@@ -55,20 +55,32 @@ def _step(seq_lens, num_heads, num_kv_heads, head_dim, block_size, seed=0):
         ([1], 9, 3, 64, 16),  # the first key only
         ([33, 5], 8, 2, 128, 4),  # partial blocks, two requests
         ([17, 64, 2], 4, 4, 32, 16),  # no grouping
+        ([9, 40], 6, 2, 20, 16),  # a head dimension not a multiple of 8: plain C
+        ([30, 3], 64, 4, 32, 8),  # 16 query heads a KV head: two KV heads a call
     ],
 )
-def test_matches_the_torch_path(monkeypatch, seq_lens, heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("build", ["native", "plain-c"])
+@pytest.mark.parametrize("spread", [1.0, 40.0], ids=["scores", "wide-scores"])
+def test_matches_the_torch_path(
+    monkeypatch, seq_lens, heads, kv_heads, head_dim, block_size, build, spread
+):
+    """Within float32 rounding of the torch path, in this CPU's build and the plain-C
+    one, with scores of ordinary spread and with some whose exponentials underflow."""
     q, k, v, k_cache, v_cache, (slots, tables, lens, mask) = _step(
         seq_lens, heads, kv_heads, head_dim, block_size
     )
+    q = q * spread
+    library = native_build.build(("-mno-avx2", "-mno-fma")) if build == "plain-c" else None
     caches = (k_cache.clone(), v_cache.clone())
     monkeypatch.setattr(cpu_compile, "NATIVE_MAX_REQS", 0)  # the torch path
     expected = cpu_compile.cpu_decode_attention(
         q, k, v, k_cache, v_cache, slots, tables, lens, mask, 0.125
     )
-    native = cpu_decode_kernel.decode_attention(q, k, v, *caches, slots, tables, lens, 0.125)
+    native = cpu_decode_kernel.decode_attention(
+        q, k, v, *caches, slots, tables, lens, 0.125, library
+    )
     assert native is not None
-    torch.testing.assert_close(native, expected, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(native, expected, atol=2e-6 * spread, rtol=1e-5)
     assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
 
 

@@ -5,10 +5,11 @@ The torch path (``cpu_compile.cpu_decode_attention``, the reference) writes the 
 K/V, gathers every block of each request into a fresh tensor and calls SDPA: ~20 torch
 calls a layer (~55 us of Python and dispatch on two cores, ~1.7 ms a step of the embedded
 model) plus a copy of the whole context every step (at 8k tokens, 12 MiB a layer). This
-kernel does the write and the attention in one C call a layer: for each request and KV
-head it walks the request's keys block by block through its table, for each query head
-that shares them (grouped-query), with an online softmax rescaled once a block (scores of
-one block held, never the whole row):
+kernel does the write and the attention in one C call a layer: for each request it walks
+the request's keys block by block through its table, for every query head of every KV
+head inside each block (grouped-query; a block's rows read once, in order), with an
+online softmax rescaled once a block (scores of one block held, never the whole row; with
+AVX2 eight keys and eight exponentials at a time, ``native/attention.h``):
 
     for each block B:  s_gt = q_g . k_t * scale for t in B   (g: the query heads of this KV head)
                        m_g' = max(m_g, max_t s_gt);  c = e^(m_g - m_g')
@@ -36,15 +37,18 @@ _ARGTYPES = [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I,
 _state: dict[str, object] = {}  # "fn": the loaded function, or None
 
 
+def _load(lib: ctypes.CDLL | None) -> ctypes._CFuncPtr | None:
+    if lib is None:
+        return None
+    function = lib.vt_decode_attention_f32
+    function.argtypes = _ARGTYPES
+    function.restype = ctypes.c_int
+    return function
+
+
 def _function() -> ctypes._CFuncPtr | None:
     if "fn" not in _state:
-        lib = native_build.library()
-        function = None
-        if lib is not None:
-            function = lib.vt_decode_attention_f32
-            function.argtypes = _ARGTYPES
-            function.restype = ctypes.c_int
-        _state["fn"] = function
+        _state["fn"] = _load(native_build.library())
     return _state["fn"]  # type: ignore[return-value]
 
 
@@ -71,11 +75,14 @@ def decode_attention(
     block_tables: torch.Tensor,  # [num_reqs, max_blocks] int64
     seq_lens: torch.Tensor,  # [num_reqs] int64
     scale: float,
+    library: ctypes.CDLL | None = None,
 ) -> torch.Tensor | None:
     """``cpu_compile.cpu_decode_attention`` in one native call: the step's K/V written,
     then ``[num_reqs, num_heads * head_dim]``. None when the kernel cannot take these
-    tensors (the caller runs the torch path)."""
-    if not available() or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+    tensors (the caller runs the torch path). ``library``: another build of the kernels
+    (tests: the plain-C one); by default ``native_build.library()``."""
+    function = _function() if library is None else _load(library)
+    if function is None or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
         return None
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
@@ -88,7 +95,7 @@ def decode_attention(
     tables = block_tables.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty(num_reqs, num_heads * head_dim, dtype=torch.float32)
-    status = _function()(  # type: ignore[misc]
+    status = function(
         q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(), v_stride,
         k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), tables.data_ptr(),
         tables.stride(0), lens.data_ptr(), out.data_ptr(),

@@ -9,7 +9,7 @@ bf16 and back, ~200 kernel launches). The native step runs the same model as a C
     x = embed[ids]; residual = 0
     per layer:  residual += x;  h = rms_norm(residual) * w_in
                 qkv = h @ Wqkv^T (int4);  q/k norm (Qwen3);  rotary;  K/V → paged cache
-                attn = paged decode attention (per request and KV head, grouped query)
+                attn = paged decode attention (per request, grouped query; native/attention.h)
                 x = attn @ Wo^T;  residual += x;  h = rms_norm(residual) * w_post
                 x = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wd^T
     hidden = rms_norm(residual + x) * w_final;  logits = hidden @ Wlm^T (int8)

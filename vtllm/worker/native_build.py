@@ -1,8 +1,9 @@
-"""The native CPU kernels (``worker/native/cpu_kernels.c``): built at first use with the
-system's C compiler, cached, loaded through ctypes.
+"""The native CPU kernels (``worker/native/cpu_kernels.c`` and the headers beside it:
+``attention.h``, ``simd.h``): built at first use with the system's C compiler, cached,
+loaded through ctypes.
 
 ``cc -O3 -march=native -fopenmp`` (the compiler ``torch.compile`` needs anyway). The
-library is cached under ``VT_CACHE_DIR/native`` by a hash of the source, the flags and
+library is cached under ``VT_CACHE_DIR/native`` by a hash of the sources, the flags and
 the CPU's flags (``-march=native``: a cache directory shared between machines must not
 hand one CPU's build to another), written atomically so concurrent workers see all or
 nothing. Its OpenMP runtime is torch's own: torch's wheels ship ``libgomp.so.1`` under
@@ -30,6 +31,7 @@ from vtllm.worker.cpu_precision import cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native") / "cpu_kernels.c"
+HEADERS = ("attention.h", "simd.h")  # included by SOURCE, part of the cache key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _state: dict[str, ctypes.CDLL | None] = {}
 
@@ -42,7 +44,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     if compiler is None:
         logger.info("no C compiler: the native CPU kernels are off (torch paths instead)")
         return None
-    source_text = SOURCE.read_text()
+    source_text = "".join((SOURCE.parent / name).read_text() for name in (SOURCE.name, *HEADERS))
     cpu = " ".join(sorted(cpu_flags()))
     flags = (*FLAGS, *extra_flags)
     key = hashlib.sha256((source_text + " ".join(flags) + cpu).encode()).hexdigest()[:16]

@@ -23,73 +23,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_GROUP 32
-#define MAX_HEAD_DIM 512
-#define MAX_BLOCK 256
+#include <omp.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define VT_AVX2 1
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define VT_VNNI 1 /* vpdpbusd on 256-bit vectors */
-#endif
-#endif
+#include "attention.h" /* attend; simd.h: VT_AVX2, VT_VNNI, exp8, silu_mul */
 
 /* ---------------------------------------------------------------- attention */
-
-/* One request r and KV head h: out[g] = softmax(q_g . K^T * scale) V for the G query heads
-   g that share it, walking the request's keys block by block through its table with an
-   online softmax rescaled once a block (scores of one block held, never the whole row). */
-static void attend_one(const float *qh, const float *k_cache, const float *v_cache,
-                       const int64_t *table, int64_t seq_len, float *out, int64_t G,
-                       int64_t KVH, int64_t D, int64_t BS, int64_t h, float scale) {
-    const int64_t token = KVH * D;
-    float acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][MAX_BLOCK];
-    for (int64_t g = 0; g < G; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-        memset(acc[g], 0, D * sizeof(float));
-    }
-    for (int64_t first = 0; first < seq_len; first += BS) { /* one block */
-        const int64_t n = seq_len - first < BS ? seq_len - first : BS;
-        const float *kb = k_cache + table[first / BS] * BS * token + h * D;
-        const float *vb = v_cache + table[first / BS] * BS * token + h * D;
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = qh + g * D;
-            float block_max = m[g];
-            for (int64_t j = 0; j < n; j++) {
-                const float *kt = kb + j * token;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; d++) dot += qg[d] * kt[d];
-                s[g][j] = dot * scale;
-                block_max = s[g][j] > block_max ? s[g][j] : block_max;
-            }
-            const float old = expf(m[g] - block_max); /* rescale once a block */
-            m[g] = block_max;
-            l[g] *= old;
-            float *a = acc[g];
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) a[d] *= old;
-            for (int64_t j = 0; j < n; j++) {
-                const float p = expf(s[g][j] - block_max);
-                const float *vt = vb + j * token;
-                l[g] += p;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) a[d] += p * vt[d];
-            }
-        }
-    }
-    for (int64_t g = 0; g < G; g++) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        for (int64_t d = 0; d < D; d++) out[g * D + d] = acc[g][d] * inv;
-    }
-}
-
-static int attention_shape_ok(int64_t H, int64_t KVH, int64_t D, int64_t BS) {
-    return KVH > 0 && H % KVH == 0 && H / KVH <= MAX_GROUP && D <= MAX_HEAD_DIM &&
-           BS <= MAX_BLOCK;
-}
 
 /* q [R, H, D] (row stride q_stride), k_new / v_new [R, KVH, D] (row strides), caches
    [NB, BS, KVH, D] contiguous, slots [R], tables [R, table_stride], seq_lens [R],
@@ -107,11 +45,12 @@ int vt_decode_attention_f32(const float *q, int64_t q_stride, const float *k_new
         memcpy(k_cache + slots[r] * token, k_new + r * k_stride, token * sizeof(float));
         memcpy(v_cache + slots[r] * token, v_new + r * v_stride, token * sizeof(float));
     }
+    const vt_attention a = {k_cache, v_cache, G, KVH, D, BS, scale};
+    const int64_t per_call = kv_heads_per_call(G, KVH);
     for (int64_t r = 0; r < R; r++)
-        for (int64_t h = 0; h < KVH; h++)
-            attend_one(q + r * q_stride + h * G * D, k_cache, v_cache,
-                       tables + r * table_stride, seq_lens[r], out + (r * H + h * G) * D, G,
-                       KVH, D, BS, h, scale);
+        for (int64_t h = 0; h < KVH; h += per_call)
+            attend(&a, q + r * q_stride, tables + r * table_stride, seq_lens[r], h,
+                   h + per_call < KVH ? h + per_call : KVH, out + r * H * D);
     return 0;
 }
 
@@ -456,8 +395,6 @@ static void rotate(float *x, const float *cos_sin, int64_t D) {
     }
 }
 
-static float silu(float x) { return x / (1.0f + expf(-x)); }
-
 /* One decode step of R requests: token ids [R] at positions [R], each written at slots[r]
    and attending over seq_lens[r] keys through tables [R, table_stride]. Writes logits
    [R, vocab] and the final normed hidden states [R, hidden]. Returns 0, -1 for a shape it
@@ -490,6 +427,8 @@ int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
         memcpy(x + r * Hd, model->embed + ids[r] * Hd, sizeof(float) * Hd);
         memset(residual + r * Hd, 0, sizeof(float) * Hd);
     }
+    const int64_t per_call = kv_heads_per_call(G, KVH);
+    const int whole_requests = R >= 2 * omp_get_max_threads();
 #pragma omp parallel
     for (int64_t li = 0; li < model->num_layers; li++) {
         const vt_layer *L = model->layers + li;
@@ -513,12 +452,20 @@ int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
             memcpy(L->k_cache + slots[r] * token, row + H * D, sizeof(float) * token);
             memcpy(L->v_cache + slots[r] * token, row + (H + KVH) * D, sizeof(float) * token);
         }
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t kh = 0; kh < KVH; kh++)
-                attend_one(qkv + r * qkv_width + kh * G * D, L->k_cache, L->v_cache,
-                           tables + r * table_stride, seq_lens[r], attn + (r * H + kh * G) * D,
-                           G, KVH, D, BS, kh, model->scale);
+        const vt_attention a = {L->k_cache, L->v_cache, G, KVH, D, BS, model->scale};
+        if (whole_requests) { /* a request's KV heads together: its blocks read once */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t h = 0; h < KVH; h += per_call)
+                    attend(&a, qkv + r * qkv_width, tables + r * table_stride, seq_lens[r], h,
+                           h + per_call < KVH ? h + per_call : KVH, attn + r * H * D);
+        } else { /* fewer requests than twice the threads: one KV head each */
+#pragma omp for collapse(2) schedule(dynamic, 1)
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t h = 0; h < KVH; h++)
+                    attend(&a, qkv + r * qkv_width, tables + r * table_stride, seq_lens[r], h,
+                           h + 1, attn + r * H * D);
+        }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) quantize_row(attn + r * H * D, r, H * D, &xq);
         q4_linear(&L->o, &xq, R, x);
@@ -531,8 +478,7 @@ int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
         q4_linear(&L->gate_up, &xq, R, gate_up);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
-            for (int64_t i = 0; i < I; i++)
-                act[r * I + i] = silu(gate_up[r * 2 * I + i]) * gate_up[r * 2 * I + I + i];
+            silu_mul(gate_up + r * 2 * I, gate_up + r * 2 * I + I, I, act + r * I);
             quantize_row(act + r * I, r, I, &xq);
         }
         q4_linear(&L->down, &xq, R, x);
