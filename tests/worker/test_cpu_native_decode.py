@@ -3,9 +3,10 @@
 Against its plain-torch reference (same repacked weights, float32): logits, hidden states
 and the KV cache over decode steps of changing batch sizes, positions and block tables,
 for plain, tied, q/k-normed and qkv-biased Llamas; batch-invariant logits; the runner's
-routing (decode-only batches up to MAX_NATIVE_ROWS; prompts and bigger batches elsewhere)
-with the same greedy tokens as the torch int4 path; the embedded SmolLM2's README answer;
-refusals (bad ids) and where it does not apply.
+routing (decode-only batches up to MAX_NATIVE_ROWS, short prompt chunks one row a token;
+long chunks and bigger batches elsewhere) with the same greedy tokens as the torch int4
+path; a short chunk computed as its tokens decoded one by one; the embedded SmolLM2's
+README answer; refusals (bad ids) and where it does not apply.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from vtllm.protocol.messages import SamplingParams
-from vtllm.worker import cpu_native_decode, native_build
+from vtllm.worker import cpu_native_decode, cpu_steps, native_build
 from vtllm.worker.cpu_native_decode import NativeDecode, Q4Weight, reference_step
 from vtllm.worker.layers import cpu_quant
 from vtllm.worker.model_runner import ModelRunner
@@ -176,10 +177,13 @@ def test_out_of_range_ids_are_refused(tmp_path):
     runner = _runner(tmp_path)
     native = NativeDecode(runner.model, runner.kv_caches, BLOCK_SIZE)
     one = np.ones(1, dtype=np.int64)
-    with pytest.raises(ValueError, match="token id or position out of range"):
+    refused = "token id, position or logit row out of range"
+    with pytest.raises(ValueError, match=refused):
         native(np.array([512]), one - 1, one, np.zeros((1, 2)), one - 1)
-    with pytest.raises(ValueError, match="token id or position out of range"):
+    with pytest.raises(ValueError, match=refused):
         native(np.array([5]), one * 10_000, one, np.zeros((1, 2)), one - 1)
+    with pytest.raises(ValueError, match=refused):
+        native(np.array([5]), one - 1, one, np.zeros((1, 2)), one - 1, one)  # row 1 of 1
 
 
 def _greedy(runner: ModelRunner, prompts: dict[str, list[int]], steps: int) -> EngineSim:
@@ -208,8 +212,10 @@ def _count_native_calls(runner: ModelRunner, monkeypatch) -> list[int]:
 
 
 def test_the_runner_decodes_through_it_as_through_the_int4_path(tmp_path, monkeypatch):
-    """Prompts prefill on the dense weights, decodes go native (counted): greedy tokens
-    as the torch int4 path's, top log-probabilities within its bf16 activation rounding."""
+    """Prompts prefill on the dense weights (no short native chunks here), decodes go
+    native (counted): greedy tokens as the torch int4 path's, top log-probabilities
+    within its bf16 activation rounding."""
+    monkeypatch.setattr(cpu_steps, "NATIVE_PROMPT_TOKENS", 0)
     make_hf_model("llama", tmp_path)
     prompts = {"a": [5, 6, 7], "b": [9, 10, 11, 12, 13, 14], "c": [3] * 11}
     torch_path = _greedy(_runner(tmp_path), prompts, steps=8)
@@ -239,7 +245,7 @@ def test_batches_above_its_rows_go_elsewhere(tmp_path, monkeypatch):
     assert runner.use_native_decode()
     calls = _count_native_calls(runner, monkeypatch)
     _greedy(runner, {"a": [5, 6], "b": [7, 8]}, steps=2)
-    assert calls == []
+    assert calls == [2, 2]  # the two short prompts, one row a token; no decode of 2 rows
 
 
 def test_where_it_does_not_apply(tmp_path, monkeypatch):
@@ -287,10 +293,11 @@ def test_a_decode_beside_a_prompt_is_computed_as_alone(tmp_path, monkeypatch, na
         runner = _runner(tmp_path)
         if native:
             assert runner.use_native_decode()
-            calls = _count_native_calls(runner, monkeypatch)
         engine = EngineSim(runner.execute, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
         engine.add("a", [5, 6, 7], params)
         engine.step({"a": 3})
+        if native:
+            calls = _count_native_calls(runner, monkeypatch)
         schedule = {"a": 1}
         if beside_a_prompt:
             engine.add("b", [9, 10, 11, 12, 13], params)
@@ -298,7 +305,93 @@ def test_a_decode_beside_a_prompt_is_computed_as_alone(tmp_path, monkeypatch, na
         output = engine.step(schedule)
         assert output.request_ids[0] == "a" and len(output.request_ids) == len(schedule)
         decoded.append(output.top_logprobs[0])
-        if native:
-            assert calls == [1]
+        if native:  # b's short prompt runs beside a's decode, one row a token
+            assert calls == ([1 + 5] if beside_a_prompt else [1])
             monkeypatch.undo()
     assert decoded[0] == decoded[1]
+
+
+def test_prompt_rows_match_the_reference_and_give_the_logits_asked_for(tmp_path):
+    """A prompt chunk of 6 tokens (rows sharing their table, each attending up to its own
+    position) beside a decode of another request: the reference's logits, hidden states
+    and K/V within rounding flips; logits of the rows asked for only, bit for bit those
+    of all rows."""
+    make_hf_model("qwen3", tmp_path)
+    runner = _runner(tmp_path)
+    native = NativeDecode(runner.model, runner.kv_caches, BLOCK_SIZE)
+    for k, v in runner.kv_caches:
+        k.normal_(), v.normal_()  # request 1 has 9 keys before this step
+    reference_caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    tables = np.array([[4, 9, 2, 0], [7, 1, 3, 0]])
+    positions = np.array([0, 1, 2, 3, 4, 5, 9])  # request 0: its prompt; 1: a decode
+    rows = np.array([0] * 6 + [1])
+    slots = tables[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    ids = np.array([11, 12, 13, 14, 15, 16, 40])
+    logits, hidden = native(ids, positions, positions + 1, tables[rows], slots)
+    want_logits, want_hidden = reference_step(
+        native, reference_caches, *map(torch.from_numpy, (ids, positions, positions + 1)),
+        torch.from_numpy(tables[rows]), torch.from_numpy(slots),
+    )  # fmt: skip
+    torch.testing.assert_close(hidden, want_hidden, atol=0.1, rtol=0)
+    torch.testing.assert_close(logits, want_logits, atol=0.05, rtol=0)
+    for (k, v), (want_k, want_v) in zip(runner.kv_caches, reference_caches, strict=True):
+        torch.testing.assert_close(k, want_k, atol=0.02, rtol=0)
+        torch.testing.assert_close(v, want_v, atol=0.02, rtol=0)
+    some, _ = native(ids, positions, positions + 1, tables[rows], slots, np.array([6, 5]))
+    assert torch.equal(some, logits[[6, 5]])
+
+
+def _prefill_then_decode(runner: ModelRunner, prompt: list[int], chunk: int) -> EngineSim:
+    engine = EngineSim(runner.execute, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    engine.add("a", prompt, SamplingParams(temperature=0.0, logprobs=3))
+    engine.logprobs = {"a": []}
+    for start in range(0, len(prompt), chunk):
+        output = engine.step({"a": min(chunk, len(prompt) - start)})
+    for _ in range(4):
+        engine.logprobs["a"].append(output.top_logprobs[0])
+        output = engine.step({"a": 1})
+    return engine
+
+
+def test_a_short_chunk_is_computed_as_its_tokens_decoded_one_by_one(tmp_path, monkeypatch):
+    """Each row of the native step is computed alone, so a 9-token prompt prefilled in one
+    native step, in chunks of 4, or a token a step gives bit for bit the same log-probs
+    and tokens; all of it native (counted)."""
+    make_hf_model("llama", tmp_path)
+    prompt = [5, 17, 9, 300, 41, 7, 7, 2, 88]
+    results = []
+    for chunk in (9, 4, 1):
+        runner = _runner(tmp_path)
+        assert runner.use_native_decode()
+        calls = _count_native_calls(runner, monkeypatch)
+        engine = _prefill_then_decode(runner, prompt, chunk)
+        assert calls == [min(chunk, 9 - s) for s in range(0, 9, chunk)] + [1] * 4
+        monkeypatch.undo()
+        results.append((engine.requests["a"].token_ids, engine.logprobs["a"]))
+    assert results[0] == results[1] == results[2]
+
+
+def test_long_chunks_and_long_contexts_prefill_on_the_dense_weights(tmp_path, monkeypatch):
+    """Chunks over NATIVE_PROMPT_TOKENS, or whose tokens x keys pass NATIVE_PROMPT_WORK,
+    and steps whose native rows would pass MAX_NATIVE_TOKENS, take the dense prompt path;
+    a step with a short and a long chunk runs the short one native."""
+    monkeypatch.setattr(cpu_steps, "NATIVE_PROMPT_TOKENS", 4)
+    make_hf_model("llama", tmp_path)
+    runner = _runner(tmp_path)
+    assert runner.use_native_decode()
+    calls = _count_native_calls(runner, monkeypatch)
+    engine = EngineSim(runner.execute, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    params = SamplingParams(temperature=0.0)
+    engine.add("long", list(range(10, 16)), params)
+    engine.add("short", [3, 4, 5], params)
+    engine.step({"long": 6, "short": 3})
+    assert calls == [3]  # the long chunk (6 > 4 tokens) on the dense weights
+    monkeypatch.setattr(cpu_steps, "NATIVE_PROMPT_WORK", 3 * 3 - 1)
+    engine.add("wide", [6, 7, 8], params)
+    engine.step({"wide": 3})
+    assert calls == [3]  # 3 tokens x 3 keys > 8
+    monkeypatch.setattr(cpu_steps, "NATIVE_PROMPT_WORK", 1 << 20)
+    monkeypatch.setattr(cpu_steps, "MAX_NATIVE_TOKENS", 2)
+    engine.add("many", [1, 2, 3], params)
+    engine.step({"many": 3, "long": 1})
+    assert calls == [3, 1]  # only the decode: 1 + 3 rows > 2

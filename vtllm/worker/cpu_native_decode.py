@@ -255,37 +255,44 @@ class NativeDecode:
             self._layer_structs,
         )  # fmt: skip
         function = native_build.library().vt_decode_step  # type: ignore[union-attr]
-        function.argtypes = [_P, _I, _P, _P, _P, _P, _I, _P, _P, _P]
+        function.argtypes = [_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _P, _P]
         function.restype = ctypes.c_int
         self._step = function
 
     def __call__(
         self,
-        input_ids: np.ndarray | torch.Tensor,  # [num_reqs] int
-        positions: np.ndarray,  # [num_reqs]
-        seq_lens: np.ndarray,  # [num_reqs]: tokens after this step
-        block_tables: np.ndarray,  # [num_reqs, max_num_blocks] 0-padded
-        slot_mapping: np.ndarray,  # [num_reqs]
+        input_ids: np.ndarray | torch.Tensor,  # [rows] int
+        positions: np.ndarray,  # [rows]
+        seq_lens: np.ndarray,  # [rows]: keys each row attends over (its position + 1)
+        block_tables: np.ndarray,  # [rows, max_num_blocks] 0-padded: each row's request's
+        slot_mapping: np.ndarray,  # [rows]
+        logit_rows: np.ndarray | None = None,  # [L] rows that want logits; None: all
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits [num_reqs, vocab] float32, hidden [num_reqs, hidden])`` of a
-        decode-only step, its K/V written. Raises ValueError for what the kernel refuses."""
+        """``(logits [L, vocab] float32, hidden [rows, hidden])`` of a step whose rows are
+        one token each: decodes, or the tokens of prompt chunks (a chunk's rows in
+        position order, sharing their request's table), their K/V written. Raises
+        ValueError for what the kernel refuses."""
         ids = torch.as_tensor(input_ids).to(torch.int64).contiguous()
-        num_reqs = ids.shape[0]
+        num_rows = ids.shape[0]
         pos = np.ascontiguousarray(positions, dtype=np.int64)
         lens = np.ascontiguousarray(seq_lens, dtype=np.int64)
         tables = np.ascontiguousarray(block_tables, dtype=np.int64)
         slots = np.ascontiguousarray(slot_mapping, dtype=np.int64)
-        logits = torch.empty(num_reqs, self.vocab, dtype=torch.float32)
-        hidden = torch.empty(num_reqs, self.hidden, dtype=torch.float32)
+        if logit_rows is None:
+            logit_rows = np.arange(num_rows, dtype=np.int64)
+        wanted = np.ascontiguousarray(logit_rows, dtype=np.int64)
+        logits = torch.empty(len(wanted), self.vocab, dtype=torch.float32)
+        hidden = torch.empty(num_rows, self.hidden, dtype=torch.float32)
         status = self._step(
-            ctypes.addressof(self._struct), num_reqs, ids.data_ptr(), pos.ctypes.data,
+            ctypes.addressof(self._struct), num_rows, ids.data_ptr(), pos.ctypes.data,
             slots.ctypes.data, tables.ctypes.data, tables.shape[1], lens.ctypes.data,
-            logits.data_ptr(), hidden.data_ptr(),
+            wanted.ctypes.data, len(wanted), logits.data_ptr(), hidden.data_ptr(),
         )  # fmt: skip
         if status != 0:
             raise ValueError(
-                f"the native decode step refused {num_reqs} requests (status {status}: -1 a "
-                "token id or position out of range or a shape it does not take, -2 no memory)"
+                f"the native decode step refused {num_rows} rows (status {status}: -1 a "
+                "token id, position or logit row out of range or a shape it does not take, "
+                "-2 no memory)"
             )
         return logits, hidden
 

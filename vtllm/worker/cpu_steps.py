@@ -11,6 +11,17 @@ weights, the native step), its prompt rows through the prompt path (the dense we
 A token's numbers then depend on whether it decodes, not on what shares its step: a
 seeded request repeats its output whether its first decode meets another request's
 prompt or not (in one step, the dense weights read for the prompt would decode it).
+
+Short prompt chunks run on the native step too, one row a token (``short_chunks``): a
+chunk of at most ``NATIVE_PROMPT_TOKENS`` tokens whose attention work (tokens x keys)
+stays within ``NATIVE_PROMPT_WORK``, while the step's native rows stay within
+``MAX_NATIVE_TOKENS``. At a few dozen rows the int4 product runs ~2.5x the dense float32
+one (docs/BENCHMARKS.md), so a chat turn's new tokens after a cached system prompt, or
+eight users' short prompts, prefill at the decode step's speed; the rows' attention
+walks the cache row by row, which is why long chunks (and long contexts) stay on the
+dense prompt path. Such a chunk's numbers are the native decode's (int8 activations);
+whether a chunk is short depends on how the scheduler cut the prompt, which a busy step
+can change (docs/USAGE.md, "Seeds").
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import torch
 from torch import nn
 
 from vtllm.worker.attention import AttentionMetadata
+from vtllm.worker.block_table import token_layout
 from vtllm.worker.cpu_compile import CompiledDecode, compile_reason, try_compile
 from vtllm.worker.cpu_compile_prompt import CompiledPrompt, try_compile_prompt
 from vtllm.worker.cpu_native_decode import MAX_NATIVE_ROWS, NativeDecode, try_native_decode
@@ -35,17 +47,39 @@ logger = logging.getLogger(__name__)
 Forward = Callable[[StepBatch], tuple[torch.Tensor, torch.Tensor]]
 
 
-def rows_to_split(batch: StepBatch, quantised: bool) -> np.ndarray | None:
-    """``[num_reqs] bool``, the decode rows of a step that also computes prompt tokens,
-    when they should run apart (``quantised``: the model's linears are; see the module
-    docstring); else None. More than ``MAX_QUANTIZED_ROWS`` decode rows read the dense
-    weights in any step: no split."""
+NATIVE_PROMPT_TOKENS = 64  # the longest prompt chunk the native step takes
+NATIVE_PROMPT_WORK = 32768  # its most tokens x keys (e.g. 64 tokens after 448 cached)
+MAX_NATIVE_TOKENS = 256  # the most rows of one native step with prompt rows
+
+
+def short_chunks(batch: StepBatch) -> np.ndarray:
+    """``[num_reqs] bool``: prompt chunks the native step takes (see the module
+    docstring)."""
+    return (
+        batch.prompt_rows
+        & (batch.query_lens <= NATIVE_PROMPT_TOKENS)
+        & (batch.query_lens * batch.seq_lens <= NATIVE_PROMPT_WORK)
+    )
+
+
+def rows_to_split(batch: StepBatch, quantised: bool, native: bool = False) -> np.ndarray | None:
+    """``[num_reqs] bool``, the rows of a step that also computes prompt tokens that run on
+    the quantised weights — its decodes, and with ``native`` (the native step is set up)
+    its short prompt chunks — when they should run apart from the rest (``quantised``:
+    the model's linears are; see the module docstring); else None. All True: the whole
+    step runs on the native step. More than ``MAX_QUANTIZED_ROWS`` decode rows read the
+    dense weights in any step: no split."""
     if not quantised or not batch.has_prompt_tokens:
         return None
     decoding = ~batch.prompt_rows & (batch.query_lens == 1)
-    if not decoding.any() or int(decoding.sum()) > MAX_QUANTIZED_ROWS:
+    if int(decoding.sum()) > MAX_QUANTIZED_ROWS:
         return None
-    return decoding
+    rows = decoding
+    if native:
+        with_chunks = decoding | short_chunks(batch)
+        if int(batch.query_lens[with_chunks].sum()) <= MAX_NATIVE_TOKENS:
+            rows = with_chunks
+    return rows if rows.any() else None
 
 
 def split_mixed_step(
@@ -105,6 +139,20 @@ class CpuSteps:
         if compile_reason(model, is_gpu, enforce_eager) is None:
             self.compiled_prompt = try_compile_prompt(model, kv_caches, block_size, chunk_dtype)
         return self.compiled_decode is not None
+
+    def native_rows(
+        self, batch: StepBatch, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits of the sampling rows, hidden [num_tokens, hidden])`` of a step of
+        decodes and short prompt chunks (``rows_to_split`` gave all its rows) through the
+        native step, one row a token. ``input_ids [num_tokens]``: the previous step's
+        tokens fed in."""
+        assert self.native_decode is not None
+        _, token_reqs, _ = token_layout(batch.query_lens, batch.seq_lens, batch.num_tokens)
+        return self.native_decode(
+            input_ids, batch.positions, batch.positions + 1,
+            batch.block_tables()[token_reqs], batch.slot_mapping, batch.logits_indices,
+        )  # fmt: skip
 
     def decode(
         self,

@@ -386,10 +386,15 @@ class ModelRunner:
             rows = self._to_device(batch.logits_indices)
             return self.model.compute_logits(hidden.index_select(0, rows)), hidden
         prompt = batch.has_prompt_tokens  # quantised CPU layers use their dense weights
-        decoding = rows_to_split(batch, self.split_mixed_steps)
-        if decoding is not None:
+        native = self.cpu_steps.native_decode is not None
+        quantised_rows = rows_to_split(batch, self.split_mixed_steps, native)
+        if quantised_rows is not None and quantised_rows.all():  # decodes, short chunks
+            input_ids = torch.from_numpy(batch.input_ids)  # [num_tokens]; shares memory
+            self._feed_previous_tokens(input_ids, batch)
+            return self.cpu_steps.native_rows(batch, input_ids)
+        if quantised_rows is not None:
             self._feed_previous_tokens(torch.from_numpy(batch.input_ids), batch)  # shared
-            return split_mixed_step(batch, decoding, self._forward_logits)
+            return split_mixed_step(batch, quantised_rows, self._forward_logits)
         if batch.num_tokens == batch.num_reqs and not prompt and not self.platform.is_gpu:
             input_ids = torch.from_numpy(batch.input_ids)  # [num_reqs]; shares memory
             self._feed_previous_tokens(input_ids, batch)

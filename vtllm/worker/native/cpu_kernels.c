@@ -395,22 +395,28 @@ static void rotate(float *x, const float *cos_sin, int64_t D) {
     }
 }
 
-/* One decode step of R requests: token ids [R] at positions [R], each written at slots[r]
-   and attending over seq_lens[r] keys through tables [R, table_stride]. Writes logits
-   [R, vocab] and the final normed hidden states [R, hidden]. Returns 0, -1 for a shape it
-   does not take, -2 when out of memory. */
+/* One step of R rows, each one token: token ids [R] at positions [R], each written at
+   slots[r] and attending over seq_lens[r] keys through tables [R, table_stride]. A row is
+   a request's decode or one token of its prompt chunk (the chunk's rows share the table,
+   seq_lens[r] = positions[r] + 1: every row's K/V is written before any row of the layer
+   attends, so a chunk attends causally). Writes the final normed hidden states [R, hidden]
+   and logits [L, vocab] of rows logit_rows [L]. Returns 0, -1 for a shape or row it does
+   not take, -2 when out of memory. */
 int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
                    const int64_t *positions, const int64_t *slots, const int64_t *tables,
-                   int64_t table_stride, const int64_t *seq_lens, float *logits,
-                   float *hidden_out) {
+                   int64_t table_stride, const int64_t *seq_lens, const int64_t *logit_rows,
+                   int64_t L, float *logits, float *hidden_out) {
     const int64_t Hd = model->hidden, I = model->inter, H = model->heads;
     const int64_t KVH = model->kv_heads, D = model->head_dim, BS = model->block_size;
     if (!attention_shape_ok(H, KVH, D, BS) || Hd % 32 || I % 32 || (H * D) % 32 || D % 2)
         return -1;
     for (int64_t r = 0; r < R; r++)
         if (ids[r] < 0 || ids[r] >= model->vocab || positions[r] < 0 ||
-            positions[r] >= model->max_position)
+            positions[r] >= model->max_position || seq_lens[r] < 1)
             return -1;
+    if (L > R) return -1;
+    for (int64_t i = 0; i < L; i++)
+        if (logit_rows[i] < 0 || logit_rows[i] >= R) return -1;
     const int64_t G = H / KVH, qkv_width = (H + 2 * KVH) * D, token = KVH * D;
     float *x = malloc(sizeof(float) * R * Hd), *residual = malloc(sizeof(float) * R * Hd);
     float *h = malloc(sizeof(float) * R * (Hd > H * D ? Hd : H * D));
@@ -487,9 +493,11 @@ int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
         for (int64_t i = 0; i < Hd; i++) residual[r * Hd + i] += x[r * Hd + i];
         rms_norm(residual + r * Hd, model->final_norm, Hd, model->eps, hidden_out + r * Hd);
     }
-    quantize_rows(hidden_out, R, Hd, &xq);
+    for (int64_t i = 0; i < L; i++) /* the rows that want logits, gathered */
+        memcpy(x + i * Hd, hidden_out + logit_rows[i] * Hd, sizeof(float) * Hd);
+    quantize_rows(x, L, Hd, &xq);
 #pragma omp parallel
-    q8_linear(model->lm_q, model->lm_scale, model->vocab, Hd, &xq, R, logits);
+    q8_linear(model->lm_q, model->lm_scale, model->vocab, Hd, &xq, L, logits);
 done:
     free(x), free(residual), free(h), free(qkv), free(attn), free(gate_up), free(act);
     free_qrows(&xq);
