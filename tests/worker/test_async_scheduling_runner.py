@@ -22,7 +22,8 @@ from vtllm.config import VtllmConfig
 from vtllm.engine_core.core import EngineCore, EngineFacts
 from vtllm.protocol import messages as m
 from vtllm.worker.input_batch import RequestStates
-from vtllm.worker.model_runner import DeferredOutput, ModelRunner
+from vtllm.worker.model_runner import ModelRunner
+from vtllm.worker.runner_output import DeferredOutput
 
 from .tiny_models import make_hf_model
 

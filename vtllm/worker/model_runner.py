@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,7 @@ from vtllm.worker.models import build_model
 from vtllm.worker.models.llama import KVCache
 from vtllm.worker.platform import Platform, platform_of
 from vtllm.worker.pooling import Pooler
+from vtllm.worker.runner_output import DeferredOutput, make_output
 from vtllm.worker.sampler import (
     Sampler,
     SamplingBatch,
@@ -61,28 +61,6 @@ from vtllm.worker.sampler import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class DeferredOutput:
-    """A driver's step output whose sampled ids are still on their way to the host."""
-
-    output: ModelRunnerOutput  # complete but for ``sampled_token_ids``
-    sampled_host: torch.Tensor | None  # [num_sampled] int64 (pinned on a GPU); None: none
-    event: Any | None  # passes once the copy into ``sampled_host`` is done; None: done
-
-    def ready(self) -> bool:
-        """Whether ``resolve`` would return without waiting for the device."""
-        return self.event is None or self.event.query()
-
-    def resolve(self) -> ModelRunnerOutput:
-        """The output, with its sampled ids (waits for the copy if it is not done)."""
-        if self.event is not None:
-            self.event.synchronize()
-        if self.sampled_host is not None:
-            self.output.sampled_token_ids = self.sampled_host.tolist()
-            self.sampled_host = None
-        return self.output
 
 
 class ModelRunner:
@@ -338,7 +316,7 @@ class ModelRunner:
         )
         if not self.is_driver:
             return None
-        output = _make_output(step.step_id, batch, sampled, errors)
+        output = make_output(step.step_id, batch, sampled, errors)
         output.embeddings = embeddings
         output.invalid_request_ids = sorted(invalid)
         if sampled_ids is None:
@@ -526,27 +504,6 @@ class ModelRunner:
         greedy = SamplingParams(temperature=0.0)
         params = [greedy] * num_sampling_rows
         self.sampler(logits, SamplingBatch.from_params(params, {}, self.vocab_size, self.device))
-
-
-def _make_output(
-    step_id: int, batch: StepBatch, sampled: dict[str, Any], errors: dict[str, str]
-) -> ModelRunnerOutput:
-    request_ids = [batch.request_ids[row] for row in batch.sample_rows]
-    output = ModelRunnerOutput(
-        step_id=step_id,
-        request_ids=request_ids,
-        sampled_token_ids=sampled.get("ids", []),
-        errors=errors,
-    )
-    if "logprobs" in sampled:
-        output.logprobs = sampled["logprobs"]
-        output.top_logprobs = [
-            list(zip(ids[:n], lps[:n], strict=True)) if n else []
-            for ids, lps, n in zip(
-                sampled["top_ids"], sampled["top_logprobs"], sampled["num_top"], strict=True
-            )
-        ]
-    return output
 
 
 @torch.no_grad()

@@ -55,8 +55,9 @@ from vtllm.worker.layers.small_batch import tune_small_batch_linears
 from vtllm.worker.loader.hf_config import load_hf_config, model_facts
 from vtllm.worker.loader.quant_config import resolve_quantization
 from vtllm.worker.memory_budget import memory_budget
-from vtllm.worker.model_runner import DeferredOutput, ModelRunner, attention_backend
+from vtllm.worker.model_runner import ModelRunner, attention_backend
 from vtllm.worker.platform import MemorySnapshot, Platform, detect_platform
+from vtllm.worker.runner_output import DeferredOutput
 from vtllm.worker.sampler import penalty_state_bytes
 
 logger = logging.getLogger(__name__)
