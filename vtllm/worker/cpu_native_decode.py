@@ -58,6 +58,7 @@ from vtllm.worker.models.llama import KVCache, LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 MAX_NATIVE_ROWS = MAX_QUANTIZED_ROWS
+MAX_NATIVE_TOKENS = 256  # the most rows of one native step with prompt rows (cpu_steps.py)
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -254,10 +255,27 @@ class NativeDecode:
             self.lm_interleaved.data_ptr(), self.lm_scale.data_ptr(), self.cos_sin.data_ptr(),
             self._layer_structs,
         )  # fmt: skip
-        function = native_build.library().vt_decode_step  # type: ignore[union-attr]
-        function.argtypes = [_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _P, _P]
+        library = native_build.library()
+        function = library.vt_decode_step  # type: ignore[union-attr]
+        function.argtypes = [_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _P, _P, _P]
         function.restype = ctypes.c_int
         self._step = function
+        self._workspace_bytes = library.vt_decode_step_workspace  # type: ignore[union-attr]
+        self._workspace_bytes.argtypes = [_P, _I]
+        self._workspace_bytes.restype = _I
+        # the step's buffers, sized and touched once for the most rows the runner sends
+        # (grown only for callers that send more): steps of changing sizes then allocate
+        # nothing, and the resident size does not creep up as larger steps come
+        self._workspace = torch.empty(0, dtype=torch.uint8)
+        self._work(max(MAX_NATIVE_ROWS, MAX_NATIVE_TOKENS))
+
+    def _work(self, num_rows: int) -> int:
+        """The address of a 64-byte aligned workspace for ``num_rows`` rows."""
+        needed = self._workspace_bytes(ctypes.addressof(self._struct), num_rows) + 64
+        if self._workspace.numel() < needed:
+            self._workspace = torch.zeros(needed, dtype=torch.uint8)
+        address = self._workspace.data_ptr()
+        return address + (-address % 64)
 
     def __call__(
         self,
@@ -287,12 +305,12 @@ class NativeDecode:
             ctypes.addressof(self._struct), num_rows, ids.data_ptr(), pos.ctypes.data,
             slots.ctypes.data, tables.ctypes.data, tables.shape[1], lens.ctypes.data,
             wanted.ctypes.data, len(wanted), logits.data_ptr(), hidden.data_ptr(),
+            self._work(num_rows),
         )  # fmt: skip
         if status != 0:
             raise ValueError(
-                f"the native decode step refused {num_rows} rows (status {status}: -1 a "
-                "token id, position or logit row out of range or a shape it does not take, "
-                "-2 no memory)"
+                f"the native decode step refused {num_rows} rows (status {status}: a token "
+                "id, position or logit row out of range or a shape it does not take)"
             )
         return logits, hidden
 

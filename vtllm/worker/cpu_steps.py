@@ -37,7 +37,12 @@ from vtllm.worker.attention import AttentionMetadata
 from vtllm.worker.block_table import token_layout
 from vtllm.worker.cpu_compile import CompiledDecode, compile_reason, try_compile
 from vtllm.worker.cpu_compile_prompt import CompiledPrompt, try_compile_prompt
-from vtllm.worker.cpu_native_decode import MAX_NATIVE_ROWS, NativeDecode, try_native_decode
+from vtllm.worker.cpu_native_decode import (
+    MAX_NATIVE_ROWS,
+    MAX_NATIVE_TOKENS,
+    NativeDecode,
+    try_native_decode,
+)
 from vtllm.worker.input_batch import StepBatch
 from vtllm.worker.layers.cpu_quant import MAX_QUANTIZED_ROWS
 from vtllm.worker.models.llama import KVCache
@@ -49,7 +54,6 @@ Forward = Callable[[StepBatch], tuple[torch.Tensor, torch.Tensor]]
 
 NATIVE_PROMPT_TOKENS = 64  # the longest prompt chunk the native step takes
 NATIVE_PROMPT_WORK = 32768  # its most tokens x keys (e.g. 64 tokens after 448 cached)
-MAX_NATIVE_TOKENS = 256  # the most rows of one native step with prompt rows
 
 
 def short_chunks(batch: StepBatch) -> np.ndarray:

@@ -395,17 +395,57 @@ static void rotate(float *x, const float *cos_sin, int64_t D) {
     }
 }
 
+/* The step's buffers for R rows, carved in order from one workspace (64-byte aligned
+   pieces): x, residual [R, hidden]; h [R, max(hidden, heads * head_dim)]; qkv; attn;
+   gate_up [R, 2 inter]; act [R, inter]; the quantised rows (int8 [R, k_max], d and sum
+   [R, k_max / 32]). With `base` NULL, only the total is computed. */
+typedef struct {
+    float *x, *residual, *h, *qkv, *attn, *gate_up, *act;
+    vt_qrows xq;
+} vt_step_buffers;
+
+static int64_t carve(char *base, int64_t *offset, int64_t bytes, void **out) {
+    *out = base ? base + *offset : NULL;
+    *offset += (bytes + 63) / 64 * 64;
+    return *offset;
+}
+
+static int64_t step_buffers(const vt_model *model, int64_t R, char *base, vt_step_buffers *b) {
+    const int64_t Hd = model->hidden, I = model->inter, HD = model->heads * model->head_dim;
+    const int64_t qkv_width = (model->heads + 2 * model->kv_heads) * model->head_dim;
+    const int64_t k_max = I > Hd ? (I > HD ? I : HD) : (Hd > HD ? Hd : HD);
+    const int64_t f = sizeof(float);
+    int64_t offset = 0;
+    carve(base, &offset, f * R * Hd, (void **)&b->x);
+    carve(base, &offset, f * R * Hd, (void **)&b->residual);
+    carve(base, &offset, f * R * (Hd > HD ? Hd : HD), (void **)&b->h);
+    carve(base, &offset, f * R * qkv_width, (void **)&b->qkv);
+    carve(base, &offset, f * R * HD, (void **)&b->attn);
+    carve(base, &offset, f * R * 2 * I, (void **)&b->gate_up);
+    carve(base, &offset, f * R * I, (void **)&b->act);
+    carve(base, &offset, R * k_max, (void **)&b->xq.q);
+    carve(base, &offset, f * R * k_max / 32, (void **)&b->xq.d);
+    return carve(base, &offset, f * R * k_max / 32, (void **)&b->xq.sum);
+}
+
+/* Bytes of the workspace vt_decode_step needs for R rows (the caller keeps one, so a
+   step allocates nothing: steps of changing sizes do not fragment the heap). */
+int64_t vt_decode_step_workspace(const vt_model *model, int64_t R) {
+    vt_step_buffers unused;
+    return step_buffers(model, R, NULL, &unused);
+}
+
 /* One step of R rows, each one token: token ids [R] at positions [R], each written at
    slots[r] and attending over seq_lens[r] keys through tables [R, table_stride]. A row is
    a request's decode or one token of its prompt chunk (the chunk's rows share the table,
    seq_lens[r] = positions[r] + 1: every row's K/V is written before any row of the layer
    attends, so a chunk attends causally). Writes the final normed hidden states [R, hidden]
-   and logits [L, vocab] of rows logit_rows [L]. Returns 0, -1 for a shape or row it does
-   not take, -2 when out of memory. */
+   and logits [L, vocab] of rows logit_rows [L]. `work`: vt_decode_step_workspace(model, R)
+   bytes, 64-byte aligned. Returns 0, or -1 for a shape or row it does not take. */
 int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
                    const int64_t *positions, const int64_t *slots, const int64_t *tables,
                    int64_t table_stride, const int64_t *seq_lens, const int64_t *logit_rows,
-                   int64_t L, float *logits, float *hidden_out) {
+                   int64_t L, float *logits, float *hidden_out, void *work) {
     const int64_t Hd = model->hidden, I = model->inter, H = model->heads;
     const int64_t KVH = model->kv_heads, D = model->head_dim, BS = model->block_size;
     if (!attention_shape_ok(H, KVH, D, BS) || Hd % 32 || I % 32 || (H * D) % 32 || D % 2)
@@ -414,21 +454,15 @@ int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
         if (ids[r] < 0 || ids[r] >= model->vocab || positions[r] < 0 ||
             positions[r] >= model->max_position || seq_lens[r] < 1)
             return -1;
-    if (L > R) return -1;
+    if (L > R || ((uintptr_t)work) % 64) return -1;
     for (int64_t i = 0; i < L; i++)
         if (logit_rows[i] < 0 || logit_rows[i] >= R) return -1;
     const int64_t G = H / KVH, qkv_width = (H + 2 * KVH) * D, token = KVH * D;
-    float *x = malloc(sizeof(float) * R * Hd), *residual = malloc(sizeof(float) * R * Hd);
-    float *h = malloc(sizeof(float) * R * (Hd > H * D ? Hd : H * D));
-    float *qkv = malloc(sizeof(float) * R * qkv_width), *attn = malloc(sizeof(float) * R * H * D);
-    float *gate_up = malloc(sizeof(float) * R * 2 * I), *act = malloc(sizeof(float) * R * I);
-    const int64_t k_max = I > Hd ? (I > H * D ? I : H * D) : (Hd > H * D ? Hd : H * D);
-    vt_qrows xq = alloc_qrows(R, k_max);
-    int status = 0;
-    if (!x || !residual || !h || !qkv || !attn || !gate_up || !act || !qrows_ok(&xq)) {
-        status = -2;
-        goto done;
-    }
+    vt_step_buffers b;
+    step_buffers(model, R, work, &b);
+    float *x = b.x, *residual = b.residual, *h = b.h, *qkv = b.qkv, *attn = b.attn;
+    float *gate_up = b.gate_up, *act = b.act;
+    vt_qrows xq = b.xq;
     for (int64_t r = 0; r < R; r++) {
         memcpy(x + r * Hd, model->embed + ids[r] * Hd, sizeof(float) * Hd);
         memset(residual + r * Hd, 0, sizeof(float) * Hd);
@@ -498,8 +532,5 @@ int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
     quantize_rows(x, L, Hd, &xq);
 #pragma omp parallel
     q8_linear(model->lm_q, model->lm_scale, model->vocab, Hd, &xq, L, logits);
-done:
-    free(x), free(residual), free(h), free(qkv), free(attn), free(gate_up), free(act);
-    free_qrows(&xq);
-    return status;
+    return 0;
 }
