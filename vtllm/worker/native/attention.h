@@ -36,17 +36,24 @@ typedef struct {
     float scale;
 } vt_attention;
 
+/* The online softmax of `heads` query heads before any key: no maximum, no sum, no
+   output. */
+static void start_softmax(int64_t heads, int64_t D, float acc[][MAX_HEAD_DIM], float *m,
+                          float *l) {
+    for (int64_t i = 0; i < heads; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+        memset(acc[i], 0, D * sizeof(float));
+    }
+}
+
 /* Plain C. q [H, D]: the request's queries (query head i reads KV head i / G); out
    [H, D]; table: its block ids; seq_len keys. Heads [h0 G, h1 G) are written. */
 static void attend_plain(const vt_attention *a, const float *q, const int64_t *table,
                          int64_t seq_len, int64_t h0, int64_t h1, float *out) {
     const int64_t G = a->G, D = a->D, BS = a->BS, token = a->KVH * D, heads = (h1 - h0) * G;
     float acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP], s[MAX_BLOCK];
-    for (int64_t i = 0; i < heads; i++) {
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-        memset(acc[i], 0, D * sizeof(float));
-    }
+    start_softmax(heads, D, acc, m, l);
     for (int64_t first = 0; first < seq_len; first += BS) { /* one block */
         const int64_t n = seq_len - first < BS ? seq_len - first : BS;
         const int64_t block = table[first / BS] * BS * token;
@@ -132,11 +139,7 @@ static void attend_avx2(const vt_attention *a, const float *q, const int64_t *ta
     const int64_t G = a->G, D = a->D, BS = a->BS, token = a->KVH * D, heads = (h1 - h0) * G;
     float acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
     float p[MAX_BLOCK + 8]; /* one block's scores, then their exponentials */
-    for (int64_t i = 0; i < heads; i++) {
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-        memset(acc[i], 0, D * sizeof(float));
-    }
+    start_softmax(heads, D, acc, m, l);
     for (int64_t first = 0; first < seq_len; first += BS) { /* one block */
         const int64_t n = seq_len - first < BS ? seq_len - first : BS;
         const int64_t block = table[first / BS] * BS * token;
@@ -186,9 +189,13 @@ static void attend(const vt_attention *a, const float *q, const int64_t *table,
     attend_plain(a, q, table, seq_len, h0, h1, out);
 }
 
-/* The KV heads one call of attend takes at most. */
-static inline int64_t kv_heads_per_call(int64_t G, int64_t KVH) {
-    return MAX_GROUP / G < KVH ? MAX_GROUP / G : KVH;
+/* attend over every KV head of one request, as many a call as MAX_GROUP query heads
+   allow. */
+static void attend_request(const vt_attention *a, const float *q, const int64_t *table,
+                           int64_t seq_len, float *out) {
+    const int64_t per_call = MAX_GROUP / a->G < a->KVH ? MAX_GROUP / a->G : a->KVH;
+    for (int64_t h = 0; h < a->KVH; h += per_call)
+        attend(a, q, table, seq_len, h, h + per_call < a->KVH ? h + per_call : a->KVH, out);
 }
 
 #endif

@@ -46,11 +46,9 @@ int vt_decode_attention_f32(const float *q, int64_t q_stride, const float *k_new
         memcpy(v_cache + slots[r] * token, v_new + r * v_stride, token * sizeof(float));
     }
     const vt_attention a = {k_cache, v_cache, G, KVH, D, BS, scale};
-    const int64_t per_call = kv_heads_per_call(G, KVH);
     for (int64_t r = 0; r < R; r++)
-        for (int64_t h = 0; h < KVH; h += per_call)
-            attend(&a, q + r * q_stride, tables + r * table_stride, seq_lens[r], h,
-                   h + per_call < KVH ? h + per_call : KVH, out + r * H * D);
+        attend_request(&a, q + r * q_stride, tables + r * table_stride, seq_lens[r],
+                       out + r * H * D);
     return 0;
 }
 
@@ -467,7 +465,6 @@ int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
         memcpy(x + r * Hd, model->embed + ids[r] * Hd, sizeof(float) * Hd);
         memset(residual + r * Hd, 0, sizeof(float) * Hd);
     }
-    const int64_t per_call = kv_heads_per_call(G, KVH);
     const int whole_requests = R >= 2 * omp_get_max_threads();
 #pragma omp parallel
     for (int64_t li = 0; li < model->num_layers; li++) {
@@ -496,9 +493,8 @@ int vt_decode_step(const vt_model *model, int64_t R, const int64_t *ids,
         if (whole_requests) { /* a request's KV heads together: its blocks read once */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t r = 0; r < R; r++)
-                for (int64_t h = 0; h < KVH; h += per_call)
-                    attend(&a, qkv + r * qkv_width, tables + r * table_stride, seq_lens[r], h,
-                           h + per_call < KVH ? h + per_call : KVH, attn + r * H * D);
+                attend_request(&a, qkv + r * qkv_width, tables + r * table_stride, seq_lens[r],
+                               attn + r * H * D);
         } else { /* fewer requests than twice the threads: one KV head each */
 #pragma omp for collapse(2) schedule(dynamic, 1)
             for (int64_t r = 0; r < R; r++)
