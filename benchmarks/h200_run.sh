@@ -13,6 +13,8 @@
 #                 for SHAPE qwen3-0.6b or llama3-8b
 #   hf-SHAPE      the transformers `generate` baseline on the same shape and prompts (MoE
 #                 shapes: the first 32 of the 256 throughput prompts; HF's experts are slow)
+#   tprofile-SHAPE  profile_decode.py --kernels on SHAPE at batch 256, 768-token prompts
+#                 (a decode step of the throughput rows, ~800 keys a request)
 #   profile       benchmarks/profile_decode.py: one worker's decode step, batch 1 and 64
 # Mixtures of experts (random weights; two engine start-ups a shape, each run at most 140 s):
 #   bench-qwen3-30b-a3b, bench-gemma4-26b-moe   `vtllm bench all` (batch-1 latency, roofline
@@ -35,6 +37,9 @@
 #                 routed layer with the routing kernel vs torch routing
 #   moe-gemm-sweep  its --sweep-gemm: grouped-GEMM launch configurations at 256, 64, 1024
 #                 and 8192 tokens
+#   gemv-sweep    benchmarks/gemv_kernel.py --sweep: the small-batch GEMV's launch
+#                 configurations (split K included) against cuBLAS at one row, per dense
+#                 shape of Qwen3-0.6B, Llama-3-8B and Qwen3-30B-A3B
 #   fp8-sweep     benchmarks/fp8_decode.py --sweep 1: dense FP8 launch configurations at one token
 #   kernels-b1    benchmarks/fp8_decode.py --kernels-only: qkv / o / MoE layer at one token,
 #                 bf16 vs FP8
@@ -172,6 +177,10 @@ for phase in "$@"; do
       timeout 300 python3 benchmarks/fused_moe_kernel.py --sweep-gemm --tokens 256 64 1024 8192 \
         >> "$OUT/moe_gemm_sweep.jsonl" 2>> "$OUT/moe_gemm_sweep.log"
       grep -E '"default": true' "$OUT/moe_gemm_sweep.jsonl" ;;
+    gemv-sweep)
+      timeout 300 python3 benchmarks/gemv_kernel.py --sweep \
+        --shapes qwen3-0.6b llama3-8b qwen3-30b-a3b >> "$OUT/gemv_sweep.jsonl" 2>> "$OUT/gemv_sweep.log"
+      cut -c1-400 "$OUT/gemv_sweep.jsonl"; tail -3 "$OUT/gemv_sweep.log" ;;
     fp8-sweep)
       timeout 150 python3 benchmarks/fp8_decode.py --model-shape qwen3-30b-a3b --sweep 1 \
         >> "$OUT/fp8_sweep.jsonl" 2>> "$OUT/fp8_sweep.log" ;;
@@ -179,6 +188,12 @@ for phase in "$@"; do
       timeout 120 python3 benchmarks/fp8_decode.py --model-shape qwen3-30b-a3b --kernels-only \
         >> "$OUT/kernels_b1.jsonl" 2>> "$OUT/kernels_b1.log"
       tail -1 "$OUT/kernels_b1.jsonl" ;;
+    tprofile-*)
+      shape=${phase#tprofile-}
+      timeout 200 python3 benchmarks/profile_decode.py --model-shape "$shape" --batch 256 \
+        --prompt-len 768 --steps 20 --kernels >> "$OUT/tprofile_$shape.txt" 2>&1
+      grep -E '"execute_ms"' "$OUT/tprofile_$shape.txt"
+      grep -E -A30 "device_us_per_step" "$OUT/tprofile_$shape.txt" | cut -c1-150 ;;
     kprofile-*)
       shape=${phase#kprofile-}
       timeout 150 python3 benchmarks/profile_decode.py --model-shape "$shape" --batch 1 \

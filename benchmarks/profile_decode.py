@@ -6,6 +6,7 @@ Builds the ModelRunner of a ``--model-shape`` (random bf16 weights) on the GPU, 
 host side. Prints JSON lines and the top host functions.
 
     python3 benchmarks/profile_decode.py --model-shape qwen3-0.6b --batch 1 [--eager]
+    python3 benchmarks/profile_decode.py --model-shape llama3-8b --batch 256 --prompt-len 768
 
 ``--kernels`` adds the device side: ``torch.profiler`` over ``--steps`` steps, the kernels
 by total device time with their launches per step (under graphs the profiler sees the
@@ -41,6 +42,10 @@ def main() -> None:
     parser.add_argument("--model-shape", default="qwen3-0.6b")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--prompt-len", type=int, default=32,
+        help="prompt tokens a request (the decode steps' context starts here)",
+    )  # fmt: skip
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--kernels", action="store_true", help="a table of device kernels")
     args = parser.parse_args()
@@ -49,13 +54,20 @@ def main() -> None:
     runner = ModelRunner.from_model_dir(
         model_dir, platform.device, torch.bfloat16, seed=0, load_format="dummy"
     )
-    runner.init_kv_cache(num_blocks=1024, block_size=16)
+    # every request's prompt plus the warm-up and the three timed passes of decode steps
+    blocks_a_request = -(-(args.prompt_len + 20 + 3 * args.steps + 1) // 16)
+    num_blocks = max(1024, args.batch * blocks_a_request + 1)
+    runner.init_kv_cache(num_blocks=num_blocks, block_size=16)
     if not args.eager:
         runner.capture_decode_graphs(platform, max(8, args.batch), 4096)
-    engine = EngineSim(runner.execute, num_blocks=1024, block_size=16)
+    engine = EngineSim(runner.execute, num_blocks=num_blocks, block_size=16)
     for i in range(args.batch):
-        engine.add(f"r{i}", [100 + i] * 32, SamplingParams(temperature=0.0))
-    engine.step({rid: 32 for rid in engine.requests})
+        engine.add(f"r{i}", [100 + i] * args.prompt_len, SamplingParams(temperature=0.0))
+    # the prompts in steps of at most ~8,192 tokens (as --max-num-batched-tokens would)
+    prompts_a_step = max(1, 8192 // args.prompt_len)
+    request_ids = list(engine.requests)
+    for first in range(0, len(request_ids), prompts_a_step):
+        engine.step({rid: args.prompt_len for rid in request_ids[first : first + prompts_a_step]})
     schedule = {rid: 1 for rid in engine.requests}
     for _ in range(20):  # warm-up
         engine.step(schedule)

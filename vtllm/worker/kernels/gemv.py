@@ -37,14 +37,17 @@ class GemvTiles:
     num_warps: int
 
 
-# configurations tried at start-up (small_batch.py): narrow N tiles give every SM work on
-# 1024-wide outputs; long K tiles keep bytes in flight
+# configurations tried at start-up (small_batch.py), from a sweep of 4-32 outputs by
+# 256-1024 K a program, 4/8 warps, split K 1-8 (benchmarks/gemv_kernel.py --sweep, H100,
+# Qwen3-0.6B / Llama-3-8B / Qwen3-30B-A3B shapes at one row): 4 x 1024 with 4 warps was
+# the fastest on 12 of 13 shapes (many programs, each with 8 KB of one load in flight);
+# split K never won (it adds a pass over fp32 partials for programs that are already many)
 CANDIDATE_TILES = (
-    GemvTiles(8, 256, 4),
-    GemvTiles(16, 256, 8),
+    GemvTiles(4, 1024, 4),
+    GemvTiles(8, 1024, 4),
+    GemvTiles(4, 1024, 8),
+    GemvTiles(4, 512, 4),
     GemvTiles(16, 512, 8),
-    GemvTiles(32, 128, 4),
-    GemvTiles(32, 256, 8),
 )
 
 

@@ -1,0 +1,115 @@
+"""The small-batch GEMV (``vtllm/worker/kernels/gemv.py``) against the library GEMM, per
+weight shape, at one row (and ``--rows``), inside device graphs as decode steps run them.
+
+For each shape of the ``--shapes`` models' dense layers: ``F.linear`` (cuBLAS /
+hipBLASLt), then every GEMV launch configuration of the grid (``--sweep``) or only
+``CANDIDATE_TILES`` (what start-up tries). Weights are cycled over 16 copies so L2 does
+not hold them; the timing is ``Platform.graph_us`` (what ``layers/small_batch.py`` uses).
+One JSON line per (shape, configuration): microseconds and the bytes' rate.
+
+    python3 benchmarks/gemv_kernel.py --shapes qwen3-0.6b llama3-8b [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vtllm.bench import MODEL_SHAPES  # noqa: E402
+from vtllm.worker.kernels.gemv import CANDIDATE_TILES, GemvTiles, gemv  # noqa: E402
+from vtllm.worker.platform import detect_platform  # noqa: E402
+
+_COPIES = 16
+_CALLS = 32
+_REPLAYS = 5
+
+
+def dense_shapes(shape: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of a model shape's dense projections and LM head (MoE experts excluded)."""
+    hf = MODEL_SHAPES[shape]
+    hidden = hf["hidden_size"]
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    head_dim = hf.get("head_dim") or hidden // heads
+    shapes = {
+        "qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
+        "o": (hidden, heads * head_dim),
+        "lm_head": (hf["vocab_size"], hidden),
+    }
+    if not hf.get("num_experts"):
+        width = hf["intermediate_size"]
+        shapes["gate_up"] = (2 * width, hidden)
+        shapes["down"] = (hidden, width)
+    return shapes
+
+
+def sweep_tiles() -> list[GemvTiles]:
+    grid = itertools.product([2, 4, 8, 16, 32], [256, 512, 1024, 2048], [2, 4, 8])
+    tiles = [GemvTiles(n, k, w) for n, k, w in grid if n * k <= 16384]
+    return list(dict.fromkeys([*CANDIDATE_TILES, *tiles]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama3-8b"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1])
+    parser.add_argument("--sweep", action="store_true", help="the whole grid of tiles")
+    args = parser.parse_args()
+    platform = detect_platform(0)
+    configs = sweep_tiles() if args.sweep else list(CANDIDATE_TILES)
+    for model in args.shapes:
+        for name, (n, k) in dense_shapes(model).items():
+            weights = [
+                torch.randn(n, k, device=platform.device, dtype=torch.bfloat16) / k**0.5
+                for _ in range(_COPIES)
+            ]
+            for rows in args.rows:
+                x = torch.randn(rows, k, device=platform.device, dtype=torch.bfloat16)
+                common = {"model": model, "layer": name, "n": n, "k": k, "rows": rows}
+
+                def timed(product, x=x, weights=weights):
+                    return platform.graph_us(
+                        lambda i: product(x, weights[i % _COPIES]), _CALLS, _REPLAYS
+                    )
+
+                library = timed(F.linear)
+                results = []
+                for tiles in configs:
+                    try:
+                        us = timed(lambda x, w, t=tiles: gemv(x, w, t))
+                    except Exception as e:  # noqa: BLE001 - report, go on
+                        print(json.dumps({**common, "tiles": str(tiles), "error": str(e)[:120]}))
+                        continue
+                    results.append((us, tiles))
+                results.sort(key=lambda r: r[0])
+                best_us, best = results[0]
+                print(
+                    json.dumps(
+                        {
+                            **common,
+                            "library_us": round(library, 2),
+                            "library_tb_s": round(n * k * 2 / library / 1e6, 2),
+                            "best_us": round(best_us, 2),
+                            "best_tb_s": round(n * k * 2 / best_us / 1e6, 2),
+                            "best": str(best),
+                            "top5": [(round(us, 2), str(t)) for us, t in results[:5]],
+                            "candidates_best_us": round(
+                                min(us for us, t in results if t in CANDIDATE_TILES), 2
+                            ),
+                        }
+                    ),
+                    flush=True,
+                )
+            weights.clear()
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
