@@ -144,6 +144,14 @@ def bench_decode(shape: str, hf: dict, batch: int, context: int, sweep: bool) ->
                             out=out, tiles=tiles)  # fmt: skip
 
         _report(common, tiles, tiles == default, run, kv_bytes=kv_bytes)
+    # the default tiles with the sequence search of mixed steps (program i is not seq i)
+    out = torch.empty_like(q)
+
+    def searched(out=out):
+        paged_attention(q, k_cache, v_cache, loc, lens, table, scale, max_seq_len=context,
+                        out=out, tiles=default, search_sequences=True)  # fmt: skip
+
+    _report({**common, "searched": True}, default, False, searched, kv_bytes=kv_bytes)
 
 
 def _report(common: dict, tiles: AttentionTiles, is_default: bool, run, **work) -> None:

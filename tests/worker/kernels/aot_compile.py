@@ -100,7 +100,7 @@ class Variant:
         return signature
 
 
-_ATTENTION = dict(SLIDING_WINDOW=0, NUM_KV_SPLITS=1, KV_FP8=False)
+_ATTENTION = dict(SLIDING_WINDOW=0, NUM_KV_SPLITS=1, KV_FP8=False, ONE_QUERY_A_SEQ=False)
 _NO_SCALE = dict(W_SCALE=0, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1)
 _BLOCK_SCALES = dict(W_SCALE=2, SCALE_BLOCK_N=128, SCALE_BLOCK_K=128)
 VARIANTS = [
@@ -124,7 +124,8 @@ VARIANTS = [
         paged_attention._paged_attention_kernel,
         "fp16",
         dict(HEAD_DIM=80, HEAD_DIM_PAD=128, GROUP_SIZE=8, BLOCK_M=16, BLOCK_Q=2, TILE_N=64)
-        | dict(BLOCK_SIZE=32, SLIDING_WINDOW=4096, NUM_KV_SPLITS=8, KV_FP8=False),
+        | dict(BLOCK_SIZE=32, SLIDING_WINDOW=4096, NUM_KV_SPLITS=8, KV_FP8=False)
+        | dict(ONE_QUERY_A_SEQ=True),
     ),
     Variant(
         "paged_attention/prefill-bf16-fp8kv-d128",
@@ -139,7 +140,8 @@ VARIANTS = [
         paged_attention._paged_attention_kernel,
         "bf16",
         dict(HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=8, BLOCK_M=16, BLOCK_Q=2, TILE_N=64)
-        | dict(BLOCK_SIZE=16, SLIDING_WINDOW=0, NUM_KV_SPLITS=8, KV_FP8=True),
+        | dict(BLOCK_SIZE=16, SLIDING_WINDOW=0, NUM_KV_SPLITS=8, KV_FP8=True)
+        | dict(ONE_QUERY_A_SEQ=True),
         fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
     ),
     Variant(

@@ -90,6 +90,22 @@ def test_any_launch_configuration_matches_reference(tiles, num_kv_splits, device
     assert_close(actual, expected, f"{tiles}, {num_kv_splits} splits")
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_decode_only_batches_take_one_program_a_sequence(num_kv_splits, device, generator):
+    """As many tokens as sequences: program i is sequence i, no search. The output is the
+    reference's, and bit for bit what the numbered query blocks of mixed steps give."""
+    batch = make_paged_batch(
+        [1] * 5, [0, 31, 150, 7, 64], 8, 2, 64, 16, torch.float32, device, generator
+    )
+    expected = _attend(batch, paged_attention_ref, 0.125, None)
+    direct = _attend(batch, paged_attention, 0.125, None, num_kv_splits=num_kv_splits)
+    searched = _attend(
+        batch, paged_attention, 0.125, None, num_kv_splits=num_kv_splits, search_sequences=True
+    )
+    assert_close(direct, expected, "one program a sequence")
+    assert torch.equal(direct, searched)
+
+
 def test_default_tiles_follow_the_sweep_only_where_they_fit():
     hopper = 227 * 1024
     assert choose_tiles(True, 4, 128, 2, hopper) == AttentionTiles(16, 128, 4, 2)

@@ -16,7 +16,10 @@ pairs that share that KV head, so K/V tiles are loaded once per group (GQA)::
     row r  ->  token  q_block * BLOCK_Q + r // group_size
                head   kv_head * group_size + r % group_size
 
-Query blocks are numbered without a host sync: sequence ``s`` starts at query block
+A decode-only step (as many query tokens as sequences, so one each) skips that numbering:
+program ``i`` is sequence ``i``, with no search and no spare programs.
+
+Otherwise query blocks are numbered without a host sync: sequence ``s`` starts at query block
 ``query_start_loc[s] // BLOCK_Q + s``, which is strictly increasing and leaves room for
 ``cdiv(q_len, BLOCK_Q)`` blocks, so ``num_tokens // BLOCK_Q + num_seqs`` programs cover
 every batch; each program finds its sequence by binary search and surplus ones exit::
@@ -174,26 +177,32 @@ def _paged_attention_kernel(
     SLIDING_WINDOW: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr,
     KV_FP8: tl.constexpr,  # the caches hold e4m3 values of K / k_scale, V / v_scale
+    ONE_QUERY_A_SEQ: tl.constexpr,  # every sequence has one query token: block i is seq i
 ):
     q_block_id = tl.program_id(0)
     kv_head_id = tl.program_id(1)
     split_id = tl.program_id(2)
 
-    # the last sequence whose first query block is <= q_block_id
-    lo: tl.int32 = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first_block <= q_block_id:
-            lo = mid + 1
-        else:
-            hi = mid
-    seq_id = lo - 1
+    if ONE_QUERY_A_SEQ:
+        seq_id = q_block_id
+    else:  # the last sequence whose first query block is <= q_block_id
+        lo: tl.int32 = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            if first_block <= q_block_id:
+                lo = mid + 1
+            else:
+                hi = mid
+        seq_id = lo - 1
 
     q_start = tl.load(query_start_loc_ptr + seq_id)
     q_len = tl.load(query_start_loc_ptr + seq_id + 1) - q_start
-    q_block_local = q_block_id - (q_start // BLOCK_Q + seq_id)
+    if ONE_QUERY_A_SEQ:
+        q_block_local = 0
+    else:
+        q_block_local = q_block_id - (q_start // BLOCK_Q + seq_id)
     if q_block_local * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq_id)
@@ -399,6 +408,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,  # [] fp32, FP8 caches only
     v_scale: torch.Tensor | None = None,  # [] fp32, FP8 caches only
     tiles: AttentionTiles | None = None,
+    search_sequences: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged keys and values.
 
@@ -414,7 +424,10 @@ def paged_attention(
     (a power of two > 1) or forces the single pass (1). An FP8 cache needs ``k_scale``
     and ``v_scale`` (device scalars: keys are ``float(k_cache) * k_scale``); other caches
     ignore them. ``tiles`` overrides the launch configuration (``choose_tiles``; for
-    sweeps). Returns ``out`` ``[num_tokens, num_heads, head_dim]`` in q's dtype.
+    sweeps). A batch of as many tokens as sequences (every sequence one token: sequences
+    never have zero) gives each sequence one program directly; ``search_sequences`` makes
+    it number query blocks as mixed steps do (for benchmarks and tests). Returns ``out``
+    ``[num_tokens, num_heads, head_dim]`` in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -447,7 +460,8 @@ def paged_attention(
         raise ValueError(f"block_m {tiles.block_m}: a power of two >= the group {group_size}")
     block_m, tile_n = tiles.block_m, tiles.tile_n
     block_q = block_m // group_size
-    num_q_blocks = num_tokens // block_q + num_seqs
+    one_query_a_seq = num_tokens == num_seqs and not search_sequences
+    num_q_blocks = num_seqs if one_query_a_seq else num_tokens // block_q + num_seqs
     if num_kv_splits > 1:
         partial_out = torch.empty(
             num_tokens, num_heads, num_kv_splits, head_dim_pad, dtype=torch.float32, device=q.device
@@ -494,6 +508,7 @@ def paged_attention(
         SLIDING_WINDOW=sliding_window or 0,
         NUM_KV_SPLITS=num_kv_splits,
         KV_FP8=kv_fp8,
+        ONE_QUERY_A_SEQ=one_query_a_seq,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
