@@ -6,15 +6,45 @@ hermes parser is detected from it. The 135M model rarely calls a tool on its own
 auto turn uses a prompt for which its greedy output is a tool call (checked: it repeats
 the block); the required and named turns are enforced by structured output whatever the
 model would have said.
+
+The module has its own server without prefix caching. Greedy text from this small model
+depends on how its prompt was computed: a prompt whose prefix is cached computes only its
+last few tokens, and on CPU those go through the int4 decode step (activations rounded to
+8 bits) instead of the float32 prompt path, which moves the first tokens' logits by up to
+~0.3 nats. On the shared session server what is cached depends on which modules ran
+before on the same xdist worker, and these prompts' greedy outputs flipped with it (a
+second call started inside the 40-token limit). Without the cache every prompt here takes
+the float32 path, whatever the order.
 """
 
 from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 
+from tests.e2e.server import ServerProcess
+
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, vt_cache_dir):
+    flags = ("--kv-cache-memory", "512MiB", "--no-enable-prefix-caching")
+    with ServerProcess(*flags, cache_dir=vt_cache_dir).serving() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
 
 TOOLS = [
     {
