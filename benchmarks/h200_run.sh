@@ -31,6 +31,9 @@
 #   attn-sweep    benchmarks/attention_kernel.py: the paged-attention kernel's launch
 #                 configurations on the Llama-3-8B shape (8k prefill vs torch SDPA, decodes)
 #   tput-SHAPE    `vtllm bench throughput` alone (256 prompts [100, 1024]), default flags
+#   ab-latency-SHAPE, ab-throughput-SHAPE  `vtllm bench latency|throughput` from this tree
+#                 and from $BASE_TREE (an unpacked older tree), alternating, $AB_ROUNDS
+#                 (default 2) runs each
 #   async-throughput-SHAPE  the same for `vtllm bench throughput` (256 prompts)
 #   moe-kernel    benchmarks/fused_moe_kernel.py: the fused-MoE kernel vs its torch reference
 #   moe-sweep     its --sweep: decode-path launch configurations at 1, 4, 16 tokens, and the
@@ -147,6 +150,17 @@ for phase in "$@"; do
           --num-iters 5 --max-num-batched-tokens 8192 --long-prefill-token-threshold $threshold \
           >> "$OUT/bench.jsonl" 2>> "$OUT/prefill_$shape.log"
         tail -1 "$OUT/bench.jsonl"
+      done ;;
+    ab-latency-*|ab-throughput-*)
+      # this tree against $BASE_TREE (e.g. `mkdir oldtree && git archive main | tar -x -C
+      # oldtree` here; it travels with the working tree), alternating on one warm GPU
+      kind=${phase#ab-}; shape=${kind#*-}; kind=${kind%%-*}
+      if [ ! -d "${BASE_TREE:-}" ]; then echo "skip $phase: no \$BASE_TREE"; continue; fi
+      for tree in $(for _ in $(seq ${AB_ROUNDS:-2}); do echo new base; done); do
+        dir=$PWD; [ $tree = base ] && dir=$(cd "$BASE_TREE" && pwd)
+        (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 150 python3 -m vtllm.cli bench $kind \
+          --model-shape "$shape" $BENCH 2>> "$OUT/ab_${kind}_${shape}_$tree.log" | tail -1 \
+          | sed "s/^/$tree /") | tee -a "$OUT/ab.jsonl"
       done ;;
     async-throughput-*)
       shape=${phase#async-throughput-}
