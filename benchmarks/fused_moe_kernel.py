@@ -82,13 +82,13 @@ def sweep_decode(args, w13, w2, router) -> None:
 
         default = (gemv_tiles(num_tokens * args.top_k, args.inter, device),
                    down_tiles(num_tokens, hidden, device))  # fmt: skip
+        # gate/up tiles hold [BLOCK_N, BLOCK_K] twice, down tiles [top_k, BLOCK_N, BLOCK_K]:
+        # at most 16K and 32K elements (narrow N with long K won the dense GEMV's sweep)
+        gate_grid = itertools.product((2, 4, 8, 16, 32, 64), (128, 256, 512, 1024), (4, 8))
+        down_grid = itertools.product((2, 4, 8, 16, 32), (64, 128, 256, 512), (4, 8))
         configs = [default]
-        configs += [
-            (g, default[1]) for g in itertools.product((16, 32, 64), (64, 128, 256, 512), (4, 8))
-        ]
-        configs += [
-            (default[0], d) for d in itertools.product((8, 16, 32), (32, 64, 128), (2, 4, 8))
-        ]
+        configs += [(g, default[1]) for g in gate_grid if g[0] * g[1] <= 16384]
+        configs += [(default[0], d) for d in down_grid if d[0] * d[1] * args.top_k <= 32768]
         for gemv, down in configs:
             decode_kernels._gemv_tiles = lambda *_, gemv=gemv: gemv
             decode_kernels._down_sum_tiles = lambda *_, down=down: down

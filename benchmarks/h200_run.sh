@@ -184,7 +184,7 @@ for phase in "$@"; do
       timeout 50 python3 benchmarks/fused_moe_kernel.py >> "$OUT/moe_kernel.jsonl" 2>&1
       tail -8 "$OUT/moe_kernel.jsonl" ;;
     moe-sweep)
-      timeout 240 python3 benchmarks/fused_moe_kernel.py --sweep --tokens 1 4 16 \
+      timeout 240 python3 benchmarks/fused_moe_kernel.py --sweep --tokens ${MOE_SWEEP_TOKENS:-1 4 16} \
         >> "$OUT/moe_sweep.jsonl" 2>> "$OUT/moe_sweep.log"
       grep -E '"default": true|layer_with' "$OUT/moe_sweep.jsonl" ;;
     moe-gemm-sweep)
