@@ -7,7 +7,11 @@ hipBLASLt), then every GEMV launch configuration of the grid (``--sweep``) or on
 not hold them; the timing is ``Platform.graph_us`` (what ``layers/small_batch.py`` uses).
 One JSON line per (shape, configuration): microseconds and the bytes' rate.
 
-    python3 benchmarks/gemv_kernel.py --shapes qwen3-0.6b llama3-8b [--sweep]
+    python3 benchmarks/gemv_kernel.py --shapes qwen3-0.6b llama3-8b [--sweep] [--fp8]
+
+``--fp8`` quantises each weight to e4m3 with one scale per row (``--quantization fp8``)
+and times the FP8 layer's own one-row path (``fp8_matmul``, the Triton kernel) instead of
+``F.linear``, against the GEMV reading the FP8 weight with its row scales.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vtllm.bench import MODEL_SHAPES  # noqa: E402
+from vtllm.worker.kernels.fp8_matmul import fp8_matmul  # noqa: E402
 from vtllm.worker.kernels.gemv import CANDIDATE_TILES, GemvTiles, gemv  # noqa: E402
+from vtllm.worker.layers.fp8 import quantize_rows  # noqa: E402
 from vtllm.worker.platform import detect_platform  # noqa: E402
 
 _COPIES = 16
@@ -61,6 +67,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama3-8b"])
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--sweep", action="store_true", help="the whole grid of tiles")
+    parser.add_argument("--fp8", action="store_true", help="e4m3 weights, per-row scales")
     args = parser.parse_args()
     platform = detect_platform(0)
     configs = sweep_tiles() if args.sweep else list(CANDIDATE_TILES)
@@ -70,20 +77,31 @@ def main() -> None:
                 torch.randn(n, k, device=platform.device, dtype=torch.bfloat16) / k**0.5
                 for _ in range(_COPIES)
             ]
+            scales = [None] * _COPIES
+            if args.fp8:  # (e4m3 weight, per-row scale) pairs
+                pairs = [quantize_rows(w, platform.fp8_dtype) for w in weights]
+                weights, scales = [w for w, _ in pairs], [s.contiguous() for _, s in pairs]
+            element_bytes = weights[0].element_size()
             for rows in args.rows:
                 x = torch.randn(rows, k, device=platform.device, dtype=torch.bfloat16)
-                common = {"model": model, "layer": name, "n": n, "k": k, "rows": rows}
+                common = {"model": model, "layer": name, "n": n, "k": k, "rows": rows,
+                          "fp8": args.fp8}  # fmt: skip
 
-                def timed(product, x=x, weights=weights):
+                def timed(product, x=x, weights=weights, scales=scales):
                     return platform.graph_us(
-                        lambda i: product(x, weights[i % _COPIES]), _CALLS, _REPLAYS
+                        lambda i: product(x, weights[i % _COPIES], scales[i % _COPIES]),
+                        _CALLS,
+                        _REPLAYS,
                     )
 
-                library = timed(F.linear)
+                if args.fp8:
+                    library = timed(lambda x, w, s, k=k: fp8_matmul(x, w, s[:, None], (1, k)))
+                else:
+                    library = timed(lambda x, w, s: F.linear(x, w))
                 results = []
                 for tiles in configs:
                     try:
-                        us = timed(lambda x, w, t=tiles: gemv(x, w, t))
+                        us = timed(lambda x, w, s, t=tiles: gemv(x, w, t, row_scale=s))
                     except Exception as e:  # noqa: BLE001 - report, go on
                         print(json.dumps({**common, "tiles": str(tiles), "error": str(e)[:120]}))
                         continue
@@ -95,9 +113,9 @@ def main() -> None:
                         {
                             **common,
                             "library_us": round(library, 2),
-                            "library_tb_s": round(n * k * 2 / library / 1e6, 2),
+                            "library_tb_s": round(n * k * element_bytes / library / 1e6, 2),
                             "best_us": round(best_us, 2),
-                            "best_tb_s": round(n * k * 2 / best_us / 1e6, 2),
+                            "best_tb_s": round(n * k * element_bytes / best_us / 1e6, 2),
                             "best": str(best),
                             "top5": [(round(us, 2), str(t)) for us, t in results[:5]],
                             "candidates_best_us": round(

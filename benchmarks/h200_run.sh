@@ -43,6 +43,8 @@
 #   gemv-sweep    benchmarks/gemv_kernel.py --sweep: the small-batch GEMV's launch
 #                 configurations (split K included) against cuBLAS at one row, per dense
 #                 shape of Qwen3-0.6B, Llama-3-8B and Qwen3-30B-A3B
+#   gemv-fp8      benchmarks/gemv_kernel.py --fp8: the GEMV on e4m3 weights with row scales
+#                 against the FP8 Triton kernel, 1 and 4 rows (Qwen3-30B-A3B, Llama-3-8B)
 #   fp8-sweep     benchmarks/fp8_decode.py --sweep 1: dense FP8 launch configurations at one token
 #   kernels-b1    benchmarks/fp8_decode.py --kernels-only: qkv / o / MoE layer at one token,
 #                 bf16 vs FP8
@@ -195,6 +197,10 @@ for phase in "$@"; do
       timeout 300 python3 benchmarks/gemv_kernel.py --sweep \
         --shapes qwen3-0.6b llama3-8b qwen3-30b-a3b >> "$OUT/gemv_sweep.jsonl" 2>> "$OUT/gemv_sweep.log"
       cut -c1-400 "$OUT/gemv_sweep.jsonl"; tail -3 "$OUT/gemv_sweep.log" ;;
+    gemv-fp8)
+      timeout 200 python3 benchmarks/gemv_kernel.py --fp8 --rows 1 4 \
+        --shapes qwen3-30b-a3b llama3-8b >> "$OUT/gemv_fp8.jsonl" 2>> "$OUT/gemv_fp8.log"
+      cut -c1-300 "$OUT/gemv_fp8.jsonl"; tail -3 "$OUT/gemv_fp8.log" ;;
     fp8-sweep)
       timeout 150 python3 benchmarks/fp8_decode.py --model-shape qwen3-30b-a3b --sweep 1 \
         >> "$OUT/fp8_sweep.jsonl" 2>> "$OUT/fp8_sweep.log" ;;

@@ -168,7 +168,7 @@ def _serve(
     use_graphs = _use_graphs(config, platform, runner)
     if use_graphs and envs.VT_SMALL_BATCH_GEMV == "auto":
         heartbeat.phase = "timing small-batch linears"
-        tune_small_batch_linears(runner.model, platform)
+        tune_small_batch_linears(runner.model, platform, dtype)
     heartbeat.phase = "profiling memory"
     started = time.monotonic()
     max_position = facts.max_position_embeddings

@@ -22,6 +22,49 @@ def test_gemv_matches_linear(device, rows, tiles):
     torch.testing.assert_close(gemv(x, w, tiles), gemv_ref(x, w), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_of_fp8_rows_with_scales_matches_the_dequantised_weight(device, rows):
+    """An e4m3 weight with one scale per output row (``--quantization fp8``): the row's
+    scale multiplies the fp32 sum once; the reference dequantises first."""
+    generator = torch.Generator().manual_seed(rows)
+    w = (torch.randn(40, 200, generator=generator) * 100).clamp(-448, 448)
+    w = w.to(torch.float8_e4m3fn).to(device)
+    scale = (torch.rand(40, generator=generator) * 1e-3 + 1e-4).to(device)
+    x = torch.randn(rows, 200, generator=generator).to(device)
+    actual = gemv(x, w, GemvTiles(4, 64, 4), row_scale=scale)
+    torch.testing.assert_close(actual, gemv_ref(x, w, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_layer_takes_the_gemv_only_where_tuned_and_for_few_rows(device, monkeypatch):
+    """``Fp8LinearMethod.gemv_tiles`` (set by start-up tuning) sends up to 4 rows to the
+    GEMV with the layer's row scales; 5 rows, or no tiles, take the method's matmul."""
+    from vtllm.worker.kernels import gemv as gemv_module
+    from vtllm.worker.layers.fp8 import Fp8LinearMethod
+
+    generator = torch.Generator().manual_seed(0)
+    layer = torch.nn.Module()
+    w = (torch.randn(24, 64, generator=generator) * 50).clamp(-448, 448)
+    layer.weight = torch.nn.Parameter(w.to(torch.float8_e4m3fn).to(device), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(
+        (torch.rand(24, generator=generator) * 1e-2).to(device), requires_grad=False
+    )
+    calls = []
+    real_gemv = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(a) or real_gemv(*a, **k))
+    method = Fp8LinearMethod(None, "reference")
+    expected = gemv_ref
+    for rows, tiles, via_gemv in ((4, None, False), (4, GemvTiles(4, 64, 4), True),
+                                  (5, GemvTiles(4, 64, 4), False)):  # fmt: skip
+        method.gemv_tiles = tiles
+        calls.clear()
+        x = torch.randn(rows, 64, generator=generator).to(device)
+        actual = method.apply(layer, x)
+        assert bool(calls) == via_gemv
+        torch.testing.assert_close(
+            actual, expected(x, layer.weight, layer.weight_scale), atol=1e-4, rtol=1e-4
+        )
+
+
 def test_gemv_refuses_more_rows_or_other_k(device):
     w = torch.zeros(8, 16, device=device)
     with pytest.raises(ValueError, match="at most 4 rows"):
@@ -68,10 +111,47 @@ def test_gpu_tuning_installs_only_winners_and_keeps_outputs():
         layers = [m for m in model if tuple(m.weight.shape) == timing.shape]
         installed = {isinstance(m.linear_method, GemvMethod) for m in layers}
         assert installed == {timing.gemv_wins}
-        assert timing.library_us > 0 and timing.gemv_us > 0
+        assert timing.own_us > 0 and timing.gemv_us > 0
     for layer in model:
         for rows in (1, 8):
             x = torch.randn(rows, layer.weight.shape[1], device="cuda", dtype=torch.bfloat16)
             torch.testing.assert_close(
                 layer(x).float(), F.linear(x, layer.weight).float(), atol=2e-2, rtol=1.6e-2
+            )
+
+
+@gpu
+def test_gpu_tuning_of_fp8_layers_installs_tiles_only_where_the_gemv_wins():
+    """FP8 per-row layers (quantised at load, as --quantization fp8 does) are timed against
+    their own Triton kernel; where the GEMV wins their method holds its tiles, and 1-row
+    and 8-row products match the dequantised weight."""
+    from vtllm.worker.distributed import TPGroup
+    from vtllm.worker.layers.fp8 import Fp8LinearMethod, linear_backend, quantize_rows
+    from vtllm.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vtllm.worker.layers.small_batch import tune_small_batch_linears
+    from vtllm.worker.platform import detect_platform
+
+    platform = detect_platform(0)
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList(
+        [ColumnParallelLinear(2048, [4096, 512, 512], False, TPGroup()) for _ in range(4)]
+        + [RowParallelLinear(4096, 2048, False, TPGroup()) for _ in range(4)]
+    ).to("cuda", torch.bfloat16)
+    for layer in model:
+        layer.weight.data.normal_(0, 0.02)
+        w_fp8, scale = quantize_rows(layer.weight.data, platform.fp8_dtype)
+        layer.weight = torch.nn.Parameter(w_fp8, requires_grad=False)
+        layer.weight_scale = torch.nn.Parameter(scale.contiguous(), requires_grad=False)
+        layer.linear_method = Fp8LinearMethod(None, linear_backend(platform, None, layer))
+    timings = tune_small_batch_linears(model, platform, torch.bfloat16)
+    assert sorted(t.shape for t in timings) == [(2048, 4096), (5120, 2048)]
+    for timing in timings:
+        layers = [m for m in model if tuple(m.weight.shape) == timing.shape]
+        assert {m.linear_method.gemv_tiles is not None for m in layers} == {timing.gemv_wins}
+    for layer in model:
+        dequantised = (layer.weight.float() * layer.weight_scale[:, None]).bfloat16()
+        for rows in (1, 8):
+            x = torch.randn(rows, layer.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(
+                layer(x).float(), F.linear(x, dequantised).float(), atol=3e-2, rtol=3e-2
             )

@@ -10,6 +10,10 @@ is free and the tiles' bytes are all that matters), and rounds once::
 
     x [M, K] (M <= 4)  ·  W [N, K]  ->  y [M, N]      one program per BLOCK_N outputs
 
+An FP8 (e4m3) weight with one fp32 scale per output row (``--quantization fp8``, or a
+checkpoint's per-channel ``weight_scale``) reads one byte an element: the tile is
+converted to fp32 (exact) and the row's scale multiplies its sum once, after the K loop.
+
 Which of the two is faster depends on the shape and the device, so nothing here decides:
 ``layers/small_batch.py`` times both for each of a model's weight shapes at start-up and
 installs this kernel only where it wins. ``gemv_ref`` is the torch twin (``F.linear``).
@@ -56,6 +60,7 @@ def _gemv_kernel(
     out_ptr,  # [M, N]
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
+    row_scale_ptr,  # [N] fp32, read when ROW_SCALE
     M,
     N,
     K,
@@ -65,6 +70,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,  # power of two >= M
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROW_SCALE: tl.constexpr,  # multiply output column n by row_scale[n] (FP8 weights)
 ):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -82,17 +88,21 @@ def _gemv_kernel(
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BLOCK_M, BLOCK_N]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if ROW_SCALE:
+        acc *= tl.load(row_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_out_row + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def gemv(
     x: torch.Tensor,  # [M, K], M <= MAX_GEMV_ROWS
-    weight: torch.Tensor,  # [N, K]
+    weight: torch.Tensor,  # [N, K]; FP8 with row_scale
     tiles: GemvTiles,
+    row_scale: torch.Tensor | None = None,  # [N] fp32: weight row n is weight[n] * row_scale[n]
 ) -> torch.Tensor:
-    """``x @ weight.T`` as ``[M, N]`` in x's dtype (fp32 accumulation, rounded once).
-    ValueError for more than ``MAX_GEMV_ROWS`` rows or shapes that disagree."""
+    """``x @ weight.T`` (with ``row_scale``: ``x @ (weight * row_scale[:, None]).T``) as
+    ``[M, N]`` in x's dtype (fp32 accumulation, rounded once). ValueError for more than
+    ``MAX_GEMV_ROWS`` rows or shapes that disagree."""
     num_rows, k = x.shape
     n = weight.shape[0]
     if num_rows > MAX_GEMV_ROWS or weight.shape[1] != k:
@@ -100,19 +110,27 @@ def gemv(
             f"gemv takes at most {MAX_GEMV_ROWS} rows and matching K: x {tuple(x.shape)}, "
             f"weight {tuple(weight.shape)}"
         )
+    if row_scale is not None and row_scale.shape != (n,):
+        raise ValueError(f"row_scale {tuple(row_scale.shape)} for a weight of {n} rows")
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
+    scale = out if row_scale is None else row_scale.float().contiguous()  # unread without
     _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
-        out, x, weight, num_rows, n, k, x.stride(0), out.stride(0), weight.stride(0),
+        out, x, weight, scale, num_rows, n, k, x.stride(0), out.stride(0), weight.stride(0),
         BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        BLOCK_K=tiles.block_k, ROW_SCALE=row_scale is not None, num_warps=tiles.num_warps,
     )  # fmt: skip
     return out
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The torch twin: ``F.linear`` (what the layer runs when the kernel does not win)."""
+def gemv_ref(
+    x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The torch twin: ``F.linear`` (what the layer runs when the kernel does not win); a
+    scaled weight is dequantised in fp32 and rounded once to x's dtype first."""
+    if row_scale is not None:
+        weight = (weight.float() * row_scale.float()[:, None]).to(x.dtype)
     return F.linear(x, weight)

@@ -22,7 +22,10 @@ over its shard's rows, so packed q/k/v or gate/up shards keep their own) or per 
 (``weight_scale_inv``). The matmul: ``torch._scaled_mm`` with row-wise scales and dynamic
 per-token FP8 activations on NVIDIA sm_89+ for per-row weights, bf16 activations and batches
 of at least ``SCALED_MM_MIN_TOKENS`` tokens (prefill); else the Triton kernel ``fp8_matmul``
-(weight-only: activations stay in the model dtype); the dequantising reference on CPU. Experts run through ``fused_moe`` with ``ExpertScales``.
+(weight-only: activations stay in the model dtype), or for per-row weights at up to
+``MAX_GEMV_ROWS`` rows the small-batch GEMV (``kernels/gemv.py``) where start-up timing
+found it faster (``layers/small_batch.py``); the dequantising reference on CPU. Experts run
+through ``fused_moe`` with ``ExpertScales``.
 """
 
 from __future__ import annotations
@@ -104,11 +107,17 @@ class Fp8LinearMethod(LinearMethod):
     def __init__(self, block: tuple[int, int] | None, backend: str) -> None:
         self.block = block
         self.backend = backend
+        # set by layers/small_batch.py where the GEMV beats the kernel below at one row
+        # (per-row scales on a GPU only): batches of up to MAX_GEMV_ROWS rows take it
+        self.gemv_tiles = None
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         from vtllm.worker.kernels.fp8_matmul import fp8_matmul, fp8_matmul_ref
+        from vtllm.worker.kernels.gemv import MAX_GEMV_ROWS, gemv
 
         weight = layer.weight  # [N, K] fp8
+        if self.gemv_tiles is not None and x.shape[0] <= MAX_GEMV_ROWS:
+            return gemv(x, weight, self.gemv_tiles, row_scale=layer.weight_scale)
         if self.backend == "scaled_mm" and x.shape[0] >= SCALED_MM_MIN_TOKENS:
             x_fp8, x_scale = quantize_activations(x, weight.dtype)
             return torch._scaled_mm(

@@ -10,7 +10,10 @@ the shape gets ``GemvMethod`` (products of more rows still take ``F.linear``). O
 says what was timed and chosen. Only with decode graphs: eagerly, Triton's launch cost
 (tens of µs from Python) would eat the gain.
 
-Layers that already have a ``linear_method`` (FP8, CPU int4/int8) are left alone.
+FP8 layers with per-row scales are timed the same way against their own method's one-row
+path (the Triton FP8 kernel), and where the GEMV wins their ``Fp8LinearMethod`` gets its
+tiles. Other layers that already have a ``linear_method`` (FP8 block scales, CPU int4 /
+int8) are left alone.
 """
 
 from __future__ import annotations
@@ -53,30 +56,32 @@ class ShapeTiming:
 
     shape: tuple[int, int]  # (N, K)
     num_layers: int
-    library_us: float
+    own_us: float
     gemv_us: float
     tiles: GemvTiles
 
     @property
     def gemv_wins(self) -> bool:
-        return self.gemv_us < _WIN * self.library_us
+        return self.gemv_us < _WIN * self.own_us
 
     def describe(self) -> str:
         n, k = self.shape
         t = self.tiles
-        verdict = "GEMV" if self.gemv_wins else "library"
+        verdict = "GEMV" if self.gemv_wins else "own"
         return (
-            f"{n}x{k} ×{self.num_layers}: library {self.library_us:.1f} µs, GEMV "
+            f"{n}x{k} ×{self.num_layers}: own {self.own_us:.1f} µs, GEMV "
             f"{self.gemv_us:.1f} µs ({t.block_n}x{t.block_k}, {t.num_warps} warps) → {verdict}"
         )
+
+
+_LINEAR_KINDS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
 def _dense_layers(model: nn.Module) -> dict[tuple[int, int], list[nn.Module]]:
     """Layers the GEMV may serve, by weight shape: plain bf16/fp16 weights on a GPU."""
     by_shape: dict[tuple[int, int], list[nn.Module]] = {}
-    kinds = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
     for module in model.modules():
-        if not isinstance(module, kinds) or module.linear_method is not None:
+        if not isinstance(module, _LINEAR_KINDS) or module.linear_method is not None:
             continue
         weight = module.weight
         if weight.dtype not in (torch.bfloat16, torch.float16) or not weight.is_cuda:
@@ -85,42 +90,81 @@ def _dense_layers(model: nn.Module) -> dict[tuple[int, int], list[nn.Module]]:
     return by_shape
 
 
-def time_shape(platform, layers: list[nn.Module]) -> ShapeTiming:
-    """Time one row through the library GEMM and each candidate GEMV on ``layers``'
-    weights (all of one shape)."""
-    weights = [layer.weight for layer in layers[:_DISTINCT_WEIGHTS]]
-    n, k = weights[0].shape
-    x = torch.randn(1, k, device=weights[0].device, dtype=weights[0].dtype)
+def _fp8_row_scaled_layers(model: nn.Module) -> dict[tuple[int, int], list[nn.Module]]:
+    """FP8 layers with per-row scales on a GPU (their ``Fp8LinearMethod`` runs a kernel,
+    not the CPU reference), by weight shape."""
+    from vtllm.worker.layers.fp8 import Fp8LinearMethod
 
-    def graph_us(product) -> float:  # one row through product(x, weight), weights in turn
+    by_shape: dict[tuple[int, int], list[nn.Module]] = {}
+    for module in model.modules():
+        method = getattr(module, "linear_method", None)
+        if not isinstance(method, Fp8LinearMethod) or method.block is not None:
+            continue
+        if method.backend == "reference" or not module.weight.is_cuda:
+            continue
+        by_shape.setdefault(tuple(module.weight.shape), []).append(module)
+    return by_shape
+
+
+def time_shape(platform, layers: list[nn.Module], dtype: torch.dtype | None = None) -> ShapeTiming:
+    """Time one row through the layers' own product and each candidate GEMV on
+    ``layers``' weights (all of one shape). The own product is ``F.linear`` for plain
+    weights, the layer's ``linear_method`` (one row) for FP8 ones, whose GEMV then applies
+    the row scales; ``dtype`` is the activations' (default: the weight's)."""
+    layers = layers[:_DISTINCT_WEIGHTS]
+    scaled = layers[0].linear_method is not None
+    n, k = layers[0].weight.shape
+    x = torch.randn(1, k, device=layers[0].weight.device, dtype=dtype or layers[0].weight.dtype)
+
+    def graph_us(product) -> float:  # one row through product(x, layer), layers in turn
         return platform.graph_us(
-            lambda i: product(x, weights[i % len(weights)]), _CALLS_PER_GRAPH, _REPLAYS
+            lambda i: product(x, layers[i % len(layers)]), _CALLS_PER_GRAPH, _REPLAYS
         )
 
-    library_us = graph_us(F.linear)
-    gemv_us = {tiles: graph_us(lambda x, w, t=tiles: gemv(x, w, t)) for tiles in CANDIDATE_TILES}
+    if scaled:
+        own_us = graph_us(lambda x, layer: layer.linear_method.apply(layer, x))
+    else:
+        own_us = graph_us(lambda x, layer: F.linear(x, layer.weight))
+
+    def with_tiles(tiles):
+        def product(x, layer):
+            scale = layer.weight_scale if scaled else None
+            return gemv(x, layer.weight, tiles, row_scale=scale)
+
+        return product
+
+    gemv_us = {tiles: graph_us(with_tiles(tiles)) for tiles in CANDIDATE_TILES}
     tiles = min(gemv_us, key=gemv_us.get)
-    return ShapeTiming((n, k), len(layers), library_us, gemv_us[tiles], tiles)
+    return ShapeTiming((n, k), len(layers), own_us, gemv_us[tiles], tiles)
 
 
-def tune_small_batch_linears(model: nn.Module, platform) -> list[ShapeTiming]:
-    """Time every dense weight shape of ``model`` and install ``GemvMethod`` where the
-    GEMV wins (module docstring); returns the timings. Compiles the chosen kernels for
-    every row count up to ``MAX_GEMV_ROWS`` before any graph is captured."""
+def tune_small_batch_linears(
+    model: nn.Module, platform, dtype: torch.dtype = torch.bfloat16
+) -> list[ShapeTiming]:
+    """Time every dense weight shape of ``model`` and install ``GemvMethod`` (or, on FP8
+    per-row layers, the GEMV's tiles in their ``Fp8LinearMethod``) where the GEMV wins
+    (module docstring); returns the timings. ``dtype``: the activations' of FP8 layers.
+    Compiles the chosen kernels for every row count up to ``MAX_GEMV_ROWS`` before any
+    graph is captured."""
     started = time.monotonic()
     timings = []
-    for layers in _dense_layers(model).values():
-        timing = time_shape(platform, layers)
+    groups = [(layers, False) for layers in _dense_layers(model).values()]
+    groups += [(layers, True) for layers in _fp8_row_scaled_layers(model).values()]
+    for layers, fp8 in groups:
+        timing = time_shape(platform, layers, dtype if fp8 else None)
         timings.append(timing)
         if not timing.gemv_wins:
             continue
-        method = GemvMethod(timing.tiles)
         for layer in layers:
-            layer.linear_method = method
-        weight = layers[0].weight
+            if fp8:
+                layer.linear_method.gemv_tiles = timing.tiles
+            else:
+                layer.linear_method = GemvMethod(timing.tiles)
+        layer = layers[0]
         for rows in range(1, MAX_GEMV_ROWS + 1):  # one compile per power-of-two row block
-            gemv(torch.zeros(rows, weight.shape[1], device=weight.device, dtype=weight.dtype),
-                 weight, timing.tiles)  # fmt: skip
+            x = torch.zeros(rows, layer.weight.shape[1], device=layer.weight.device,
+                            dtype=dtype if fp8 else layer.weight.dtype)  # fmt: skip
+            layer.linear_method.apply(layer, x)
     platform.synchronize()
     if timings:
         logger.info(
