@@ -17,13 +17,23 @@ def server(smollm2_dir, vt_cache_dir):
         yield srv
 
 
+def openai_client(server: ServerProcess) -> openai.OpenAI:
+    """The `openai` SDK's client of a running server."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120)
+
+
+def served_model(client: openai.OpenAI) -> str:
+    """The one model the server serves: the embedded SmolLM2."""
+    served = [m.id for m in client.models.list().data]
+    assert served == ["SmolLM2-135M-Instruct"]
+    return served[0]
+
+
 @pytest.fixture(scope="session")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="session")
 def model(client):
-    served = [m.id for m in client.models.list().data]
-    assert served == ["SmolLM2-135M-Instruct"]
-    return served[0]
+    return served_model(client)

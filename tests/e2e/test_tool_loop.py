@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
+from tests.e2e.conftest import openai_client, served_model
 from tests.e2e.server import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -38,12 +38,12 @@ def server(smollm2_dir, vt_cache_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
 def model(client):
-    return client.models.list().data[0].id
+    return served_model(client)
 
 
 TOOLS = [
