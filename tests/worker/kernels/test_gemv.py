@@ -52,7 +52,6 @@ def test_fp8_layer_takes_the_gemv_only_where_tuned_and_for_few_rows(device, monk
     real_gemv = gemv_module.gemv
     monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(a) or real_gemv(*a, **k))
     method = Fp8LinearMethod(None, "reference")
-    expected = gemv_ref
     for rows, tiles, via_gemv in ((4, None, False), (4, GemvTiles(4, 64, 4), True),
                                   (5, GemvTiles(4, 64, 4), False)):  # fmt: skip
         method.gemv_tiles = tiles
@@ -61,7 +60,7 @@ def test_fp8_layer_takes_the_gemv_only_where_tuned_and_for_few_rows(device, monk
         actual = method.apply(layer, x)
         assert bool(calls) == via_gemv
         torch.testing.assert_close(
-            actual, expected(x, layer.weight, layer.weight_scale), atol=1e-4, rtol=1e-4
+            actual, gemv_ref(x, layer.weight, layer.weight_scale), atol=1e-4, rtol=1e-4
         )
 
 
