@@ -176,3 +176,28 @@ def test_graph_length_and_switch_follow_the_config():
     config.model.enforce_eager = False
     runner.attention_backend = "torch"  # VT_ATTENTION_BACKEND=torch: no kernel, no graphs
     assert not _use_graphs(config, gpu, runner)
+
+
+def test_short_batches_replay_the_unsplit_variant(tmp_path):
+    """A size whose longest admitted sequence wants split-KV attention keeps an unsplit
+    variant too, and a batch whose sequences are all short runs that one."""
+    make_hf_model("qwen3", tmp_path, max_position_embeddings=4096)
+    runner = ModelRunner.from_model_dir(tmp_path, torch.device("cpu"), torch.float32, seed=0)
+    runner.init_kv_cache(num_blocks=1100, block_size=4)
+    runner.attention_backend = "triton"
+    graphs = runner.capture_decode_graphs(cpu_platform(), 2, 4096, use_graphs=False)
+    # tiny qwen3: 2 KV heads; 4,096 keys afford 8 splits of >= 512 keys
+    assert graphs.split_counts(1) == [8, 1] and graphs.split_counts(2) == [8, 1]
+    assert [graphs.split_count(1, n) for n in (1, 40, 1023, 1024, 4096)] == [1, 1, 1, 8, 8]
+    ran: list[int] = []
+    original = graphs.inputs.metadata
+    graphs.inputs.metadata = lambda size, splits: ran.append(splits) or original(size, splits)
+    engine = EngineSim(runner.execute, num_blocks=1100, block_size=4)
+    greedy = SamplingParams(temperature=0.0)
+    engine.add("short", [10, 11, 12], greedy)
+    engine.step({"short": 3})  # prefill: eager
+    engine.step({"short": 1})  # 4 keys: unsplit
+    engine.add("long", [5 + i % 100 for i in range(1200)], greedy)
+    engine.step({"long": 1200})
+    engine.step({"short": 1, "long": 1})  # 1,201 keys: split
+    assert ran == [1, 8]

@@ -248,32 +248,50 @@ def test_realistic_shape_bf16_matches_transformers(shape, gemv, tmp_path):
 
 
 @pytest.mark.parametrize("max_model_len", [64, 8192])
-def test_decode_graphs_match_eager_steps_on_gpu(max_model_len, tmp_path):
+def test_decode_graphs_match_eager_steps_on_gpu(max_model_len, tmp_path, monkeypatch):
     """Real graphs (captured at 1, 2, 4, 6) against eager steps, fp32: same tokens (greedy
     and seeded sampling), same logprobs; prefill, mixed and too-long steps stay eager.
-    With max_model_len 8192 the graphs split the keys (flash-decoding), eager does not."""
+    With max_model_len 8192 every size also has a split-KV (flash-decoding) graph, and
+    the graph runs replay that one although their sequences are short; eager does not
+    split."""
+    from vtllm.worker.decode_graphs import DecodeGraphs
+
     from .test_decode_graphs import assert_same_outputs, run_scenario
 
     make_hf_model("qwen3", tmp_path)
     platform = detect_platform(0)
     _, eager = run_scenario(tmp_path, False, max_model_len, platform)
+    if max_model_len > 1024:
+        monkeypatch.setattr(DecodeGraphs, "split_count", _always_split)
     runner, graphed = run_scenario(tmp_path, True, max_model_len, platform)
     graphs = runner.decode_graphs
-    assert graphs is not None and graphs.use_graphs and sorted(graphs._graphs) == [1, 2, 4, 6]
+    assert graphs is not None and graphs.use_graphs and graphs.sizes == [1, 2, 4, 6]
+    splits = {size: graphs.split_counts(size) for size in graphs.sizes}
+    assert all(counts[-1] == 1 for counts in splits.values())
+    assert all(len(counts) == (2 if max_model_len > 1024 else 1) for counts in splits.values())
     assert_same_outputs(eager, graphed, atol=1e-4)
 
 
+def _always_split(graphs, size: int, max_seq_len: int) -> int:
+    """``DecodeGraphs.split_count`` for tests: the split variant however short the batch."""
+    return graphs.split_counts(size)[0]
+
+
 @pytest.mark.parametrize("max_model_len", [512, 8192])
-def test_decode_graphs_bf16_realistic_shape(max_model_len, tmp_path):
+def test_decode_graphs_bf16_realistic_shape(max_model_len, tmp_path, monkeypatch):
     """Qwen3-0.6B dimensions (4 layers, random bf16 weights): graphs vs eager over 24
     decode steps at batch sizes 8 (a capture size), 5 (padded to 8) and 1, the graph run
     fed the eager run's tokens. Random weights make near-ties common, so bf16 rounding
     differences (padding changes the GEMM shapes; with 8192 the graphs also split the
-    keys) may flip a greedy pick: the test holds the top-5 logprobs to 0.05 and the
-    picks to >= 90 % agreement."""
+    keys, forced although the sequences are short) may flip a greedy pick: the test
+    holds the top-5 logprobs to 0.05 and the picks to >= 90 % agreement."""
     import json
 
     from vtllm.bench import MODEL_SHAPES
+    from vtllm.worker.decode_graphs import DecodeGraphs
+
+    if max_model_len > 1024:
+        monkeypatch.setattr(DecodeGraphs, "split_count", _always_split)
 
     config = dict(MODEL_SHAPES["qwen3-0.6b"], num_hidden_layers=4)
     (tmp_path / "config.json").write_text(json.dumps(config))

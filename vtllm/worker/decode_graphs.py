@@ -10,8 +10,11 @@ once and replays them with one call. A graph fixes every shape and every pointer
   staging buffer, one host→device copy moves them, and the graph of the padded size runs;
 * padding rows decode token 0 at position 0 with slot ``-1`` (``reshape_and_cache``
   skips it) over one key of the cache: finite values whose output is dropped;
-* the attention kernel's split-KV count is fixed per graph (chosen for the longest
-  sequence the buffers admit), since a replay cannot look at sequence lengths.
+* the attention kernel's split-KV count is fixed per graph, since a replay cannot look at
+  sequence lengths: a size whose longest admitted sequence wants a split gets two graphs,
+  one split for that length and one unsplit, and ``run`` replays the unsplit one while
+  the batch's longest sequence is short enough not to want a split (at batch 1 and ~100
+  keys, a split costs a reduce kernel a layer and saves nothing).
 
 Prefill and mixed steps, and decode batches that do not fit (more requests than the
 largest graph, a block table wider than the buffer), run eagerly.
@@ -202,11 +205,12 @@ class DecodeGraphs:
         sizes: Sequence[int],
         blocks_per_seq: int,
         block_size: int,
-        split_rule: Callable[[int], int],
+        split_rule: Callable[[int, int], int],
         use_graphs: bool,
     ) -> None:
-        """``split_rule(padded_size)`` gives the attention split count for a size;
-        ``use_graphs=False`` runs the padded path eagerly (CPU, tests)."""
+        """``split_rule(padded_size, max_seq_len)`` gives the attention split count for a
+        size and the longest sequence of a batch; ``use_graphs=False`` runs the padded
+        path eagerly (CPU, tests)."""
         if use_graphs and not platform.supports_graphs:
             raise RuntimeError(f"{platform.kind.value} has no device graphs")
         self.forward = forward
@@ -215,9 +219,10 @@ class DecodeGraphs:
         self.sizes = sorted(sizes)
         self.inputs = DecodeInputs(self.sizes[-1], blocks_per_seq, block_size, platform)
         self.split_rule = split_rule
+        self.longest = blocks_per_seq * block_size  # the longest sequence the buffers admit
         self.use_graphs = use_graphs
-        self._graphs: dict[int, object] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[int, int], object] = {}  # (size, kv splits) -> graph
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._pool = platform.new_graph_pool() if use_graphs else None
 
     def capture(self) -> None:
@@ -225,21 +230,37 @@ class DecodeGraphs:
         progress log. A no-op without graphs."""
         if not self.use_graphs:
             return
-        progress = ProgressLog(logger, "capturing decode graphs", len(self.sizes))
-        for size in reversed(self.sizes):
+        keys = [
+            (size, splits) for size in reversed(self.sizes) for splits in self.split_counts(size)
+        ]
+        progress = ProgressLog(logger, "capturing decode graphs", len(keys))
+        for size, splits in keys:
             # warm-up outside the graph: Triton compiles and autotunes here, not in capture
-            self._forward_padded(size)
+            self._forward_padded(size, splits)
             self.platform.synchronize()
             with self.platform.capture_graph(self._pool) as graph:
-                hidden = self._forward_padded(size)
-            self._graphs[size] = graph
-            self._outputs[size] = hidden
-            progress.advance(f"batch {size}")
+                hidden = self._forward_padded(size, splits)
+            self._graphs[size, splits] = graph
+            self._outputs[size, splits] = hidden
+            progress.advance(f"batch {size}" + (f", {splits} KV splits" if splits > 1 else ""))
         self.platform.synchronize()
 
-    def _forward_padded(self, size: int) -> torch.Tensor:
+    def split_counts(self, size: int) -> list[int]:
+        """The attention split counts that get a graph at ``size``: the one for the
+        longest admitted sequence, and 1 where that is more."""
+        return sorted({self.split_rule(size, self.longest), 1}, reverse=True)
+
+    def split_count(self, size: int, max_seq_len: int) -> int:
+        """The captured split count a batch of ``size`` whose longest sequence has
+        ``max_seq_len`` tokens runs with: 1 where the rule wants no split for it, else the
+        longest admitted sequence's."""
+        if self.split_rule(size, max_seq_len) == 1:
+            return 1
+        return self.split_rule(size, self.longest)
+
+    def _forward_padded(self, size: int, splits: int) -> torch.Tensor:
         """The forward over the first ``size`` rows of the persistent inputs."""
-        metadata = self.inputs.metadata(size, self.split_rule(size))
+        metadata = self.inputs.metadata(size, splits)
         ids = self.inputs.device_view("input_ids")[:size]
         positions = self.inputs.device_view("positions")[:size]
         return self.forward(ids, positions, self.kv_caches, metadata)  # [size, hidden]
@@ -260,7 +281,8 @@ class DecodeGraphs:
         self.inputs.stage(batch)
         if feed is not None:
             feed(self.inputs.device_view("input_ids")[:n])
+        splits = self.split_count(size, int(batch.seq_lens.max()))
         if not self.use_graphs:
-            return self._forward_padded(size)[:n]
-        self._graphs[size].replay()
-        return self._outputs[size][:n]
+            return self._forward_padded(size, splits)[:n]
+        self._graphs[size, splits].replay()
+        return self._outputs[size, splits][:n]

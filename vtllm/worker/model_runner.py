@@ -226,12 +226,11 @@ class ModelRunner:
             raise RuntimeError("capture_decode_graphs() needs a KV cache")
         num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         blocks_per_seq = -(-max_model_len // self.block_size)
-        longest = blocks_per_seq * self.block_size
 
-        def split_rule(size: int) -> int:
+        def split_rule(size: int, max_seq_len: int) -> int:
             from vtllm.worker.kernels.paged_attention import choose_num_kv_splits
 
-            return choose_num_kv_splits(size, size, num_kv_heads, longest)
+            return choose_num_kv_splits(size, size, num_kv_heads, max_seq_len)
 
         graphs = DecodeGraphs(
             self.model,
