@@ -104,6 +104,7 @@ class Variant:
 _ATTENTION = dict(SLIDING_WINDOW=0, NUM_KV_SPLITS=1, KV_FP8=False, ONE_QUERY_A_SEQ=False)
 _NO_SCALE = dict(W_SCALE=0, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1)
 _BLOCK_SCALES = dict(W_SCALE=2, SCALE_BLOCK_N=128, SCALE_BLOCK_K=128)
+_GEMV_PLAIN = dict(NORM=False, SILU_AND_MUL=False, RESIDUAL=False)
 VARIANTS = [
     Variant(
         "paged_attention/prefill-bf16-d128",
@@ -285,20 +286,33 @@ VARIANTS = [
         "gemv/bf16-1-row",
         gemv._gemv_kernel,
         "bf16",
-        dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, ROW_SCALE=False),
+        dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, ROW_SCALE=False) | _GEMV_PLAIN,
     ),
     Variant(
         "gemv/fp16-4-rows",
         gemv._gemv_kernel,
         "fp16",
-        dict(BLOCK_M=4, BLOCK_N=8, BLOCK_K=256, ROW_SCALE=False),
+        dict(BLOCK_M=4, BLOCK_N=8, BLOCK_K=256, ROW_SCALE=False) | _GEMV_PLAIN,
     ),
     Variant(
         "gemv/bf16-fp8-row-scales",
         gemv._gemv_kernel,
         "bf16",
-        dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, ROW_SCALE=True),
+        dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, ROW_SCALE=True) | _GEMV_PLAIN,
         fp8_pointers=("w_ptr",),
+    ),
+    Variant(
+        "gemv/bf16-norm-prologue",
+        gemv._gemv_kernel,
+        "bf16",
+        dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, ROW_SCALE=False) | dict(_GEMV_PLAIN, NORM=True),
+    ),
+    Variant(
+        "gemv/bf16-silu-and-mul-residual",
+        gemv._gemv_kernel,
+        "bf16",
+        dict(BLOCK_M=2, BLOCK_N=4, BLOCK_K=1024, ROW_SCALE=False)
+        | dict(_GEMV_PLAIN, SILU_AND_MUL=True, RESIDUAL=True),
     ),
     Variant("moe_align/count-128", moe_align._count_kernel, "i32", dict(BLOCK_P=64, BLOCK_E=128)),
     Variant("moe_align/layout-128", moe_align._layout_kernel, "i32", dict(BLOCK_E=128, BLOCK_B=64)),

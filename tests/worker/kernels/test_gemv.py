@@ -23,6 +23,41 @@ def test_gemv_matches_linear(device, rows, tiles):
 
 
 @pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stage", ["norm", "silu_and_mul", "residual", "act+residual"])
+def test_fused_stages_match_the_separate_kernels(device, rows, dtype, stage):
+    """The norm prologue, the SwiGLU prologue and the residual epilogue give what the
+    separate reference kernels give (bf16: within the GEMV's own rounding of the sum;
+    K = 200 and N = 72 leave partial tiles)."""
+    generator = torch.Generator().manual_seed(rows)
+    norm = stage == "norm"
+    act = stage in ("silu_and_mul", "act+residual")
+    x = torch.randn(rows, 400 if act else 200, generator=generator).to(device, dtype)
+    w = (torch.randn(72, 200, generator=generator) / 200**0.5).to(device, dtype)
+    stages = dict(
+        norm_weight=(torch.rand(200, generator=generator) + 0.5).to(device, dtype)
+        if norm
+        else None,
+        norm_eps=1e-5,
+        silu_and_mul=act,
+        residual=torch.randn(rows, 72, generator=generator).to(device, dtype)
+        if stage in ("residual", "act+residual")
+        else None,
+    )
+    actual = gemv(x, w, GemvTiles(16, 64, 4), **stages)
+    expected = gemv_ref(x, w, **stages)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual, expected, atol=tolerance, rtol=tolerance)
+    if stage == "residual" and device.type != "cpu":
+        # the epilogue adds to the rounded product: exactly the sum (not in Triton's
+        # interpreter, whose fp32 -> bf16 casts truncate)
+        unfused = gemv(x, w, GemvTiles(16, 64, 4))
+        torch.testing.assert_close(
+            actual, (unfused.float() + stages["residual"].float()).to(dtype), atol=0, rtol=0
+        )
+
+
+@pytest.mark.parametrize("rows", [1, 3])
 def test_gemv_of_fp8_rows_with_scales_matches_the_dequantised_weight(device, rows):
     """An e4m3 weight with one scale per output row (``--quantization fp8``): the row's
     scale multiplies the fp32 sum once; the reference dequantises first."""
@@ -70,6 +105,12 @@ def test_gemv_refuses_more_rows_or_other_k(device):
         gemv(torch.zeros(MAX_GEMV_ROWS + 1, 16, device=device), w, CANDIDATE_TILES[0])
     with pytest.raises(ValueError, match="matching K"):
         gemv(torch.zeros(1, 12, device=device), w, CANDIDATE_TILES[0])
+    with pytest.raises(ValueError, match=r"x holds gate \| up"):
+        gemv(torch.zeros(1, 16, device=device), w, CANDIDATE_TILES[0], silu_and_mul=True)
+    with pytest.raises(ValueError, match=r"norm_weight \(8,\) for K = 16"):
+        gemv(torch.zeros(1, 16, device=device), w, CANDIDATE_TILES[0], norm_weight=w[0, :8])
+    with pytest.raises(ValueError, match=r"residual \(2, 8\) for an output of \(1, 8\)"):
+        gemv(torch.zeros(1, 16, device=device), w, CANDIDATE_TILES[0], residual=w[:2, :8])
 
 
 @gpu

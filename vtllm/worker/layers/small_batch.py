@@ -14,6 +14,14 @@ FP8 layers with per-row scales are timed the same way against their own method's
 path (the Triton FP8 kernel), and where the GEMV wins their ``Fp8LinearMethod`` gets its
 tiles. Other layers that already have a ``linear_method`` (FP8 block scales, CPU int4 /
 int8) are left alone.
+
+Then the fused decode chain (Llama-family decoders, ``LlamaDecoderLayer.forward_fused``):
+a layer's dense part at one row — norm, q/k/v, o, residual add and norm, gate/up,
+activation, down — as the four GEMVs with the norms, the activation and the residual adds
+folded in, against the same part as it runs unfused (with whatever the per-shape choice
+above installed), both in device graphs over up to ``_DISTINCT_WEIGHTS`` layers. Where
+the chain wins, the model takes it for steps of up to ``MAX_GEMV_ROWS`` tokens: three
+kernels a layer fewer (on a small model a decode step is mostly such kernels' fixed cost).
 """
 
 from __future__ import annotations
@@ -38,6 +46,17 @@ _REPLAYS = 5
 _WIN = 0.95  # the GEMV must take less than this share of the library's time
 
 
+@dataclass(frozen=True)
+class FusedDecodeTiles:
+    """The GEMV tiles of each projection in ``LlamaDecoderLayer.forward_fused``."""
+
+    qkv: GemvTiles
+    o: GemvTiles
+    gate_up: GemvTiles
+    down: GemvTiles
+    max_rows: int = MAX_GEMV_ROWS  # steps of at most this many tokens take the chain
+
+
 class GemvMethod(LinearMethod):
     """Up to ``MAX_GEMV_ROWS`` rows through ``gemv`` with ``tiles``; more through F.linear."""
 
@@ -59,6 +78,7 @@ class ShapeTiming:
     own_us: float
     gemv_us: float
     tiles: GemvTiles
+    scaled: bool = False  # FP8 weights with row scales
 
     @property
     def gemv_wins(self) -> bool:
@@ -135,7 +155,7 @@ def time_shape(platform, layers: list[nn.Module], dtype: torch.dtype | None = No
 
     gemv_us = {tiles: graph_us(with_tiles(tiles)) for tiles in CANDIDATE_TILES}
     tiles = min(gemv_us, key=gemv_us.get)
-    return ShapeTiming((n, k), len(layers), own_us, gemv_us[tiles], tiles)
+    return ShapeTiming((n, k), len(layers), own_us, gemv_us[tiles], tiles, scaled)
 
 
 def tune_small_batch_linears(
@@ -173,4 +193,75 @@ def tune_small_batch_linears(
             time.monotonic() - started,
             "; ".join(t.describe() for t in timings),
         )
+        tune_fused_decode(model, platform, {t.shape: t.tiles for t in timings if not t.scaled})
     return timings
+
+
+def _fused_decode_layers(model: nn.Module) -> tuple[list[nn.Module], str | None]:
+    """The decoder layers the fused chain would run, or why it cannot."""
+    if not hasattr(model, "fused_decode"):
+        return [], f"{type(model).__name__} has no fused decode chain"
+    layers = list(model.model.layers)
+    for layer in layers:
+        why_not = layer.fused_decode_eligible()
+        if why_not:
+            return [], why_not
+    return layers, None
+
+
+def time_decode_chain(
+    platform, layers: list[nn.Module], tiles: FusedDecodeTiles
+) -> tuple[float, float]:
+    """µs per layer of one row through the dense part of ``layers`` (attention left out:
+    the same in both), ``(unfused, fused)``."""
+    layers = layers[:_DISTINCT_WEIGHTS]
+    attn = layers[0].self_attn
+    weight = attn.qkv_proj.weight
+    x = torch.randn(1, weight.shape[1], device=weight.device, dtype=weight.dtype)
+    o = torch.randn(1, attn.o_proj.weight.shape[1], device=weight.device, dtype=weight.dtype)
+
+    def unfused(i: int) -> None:
+        layer = layers[i % len(layers)]
+        h, residual = layer.input_layernorm(x, x)
+        layer.self_attn.qkv_proj(h)
+        layer.post_attention(o, residual)
+
+    def fused(i: int) -> None:
+        layer = layers[i % len(layers)]
+        layer.fused_qkv(x, tiles)
+        layer.fused_post_attention(o, x, tiles)
+
+    return (
+        platform.graph_us(unfused, _CALLS_PER_GRAPH, _REPLAYS),
+        platform.graph_us(fused, _CALLS_PER_GRAPH, _REPLAYS),
+    )
+
+
+def tune_fused_decode(
+    model: nn.Module, platform, tiles_by_shape: dict[tuple[int, int], GemvTiles]
+) -> FusedDecodeTiles | None:
+    """Time the fused decode chain against the unfused layer (module docstring) with each
+    projection's best GEMV tiles from ``tiles_by_shape``; set ``model.fused_decode`` where
+    it wins and return it (None, and a log line saying why, where not)."""
+    layers, why_not = _fused_decode_layers(model)
+    if not layers:
+        if hasattr(model, "fused_decode"):
+            logger.info("fused decode chain: not for this model (%s)", why_not)
+        return None
+    attn, mlp = layers[0].self_attn, layers[0].mlp
+    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    shapes = [tuple(linear.weight.shape) for linear in projections]
+    if any(shape not in tiles_by_shape for shape in shapes):
+        return None
+    tiles = FusedDecodeTiles(*(tiles_by_shape[shape] for shape in shapes))
+    unfused_us, fused_us = time_decode_chain(platform, layers, tiles)
+    wins = fused_us < _WIN * unfused_us
+    logger.info(
+        "fused decode chain (1 row, device graphs): a layer's dense part %.1f µs unfused, "
+        "%.1f µs fused → %s",
+        unfused_us,
+        fused_us,
+        f"fused for steps of up to {tiles.max_rows} tokens" if wins else "unfused",
+    )
+    model.fused_decode = tiles if wins else None
+    return model.fused_decode

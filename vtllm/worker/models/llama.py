@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ from vtllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vtllm.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vtllm.worker.layers.norm import RMSNorm
 from vtllm.worker.layers.rotary import RotaryEmbedding, rope_parameters
+
+if TYPE_CHECKING:
+    from vtllm.worker.layers.small_batch import FusedDecodeTiles
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, kv_heads, head_dim]
 
@@ -326,6 +329,81 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(self.self_attn.o_proj(o), residual)
         return self.mlp(h), residual
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,  # [num_tokens <= 4, hidden]: the residual stream, whole
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        tiles: FusedDecodeTiles,
+    ) -> torch.Tensor:
+        """``forward`` for a few tokens in six kernels, the norms, the activation and the
+        residual adds folded into the GEMVs (``kernels/gemv.py``): returns the layer's
+        output already added to the stream, ``[num_tokens, hidden]``. Only where
+        ``fused_decode_eligible`` and start-up timing chose it (``layers/small_batch.py``)."""
+        attn = self.self_attn
+        k_cache, v_cache = kv_cache
+        q = attn._prep_on_gpu(
+            self.fused_qkv(x, tiles), positions, rotary, k_cache, v_cache, metadata
+        )
+        o = attn.write_and_attend(q, None, None, kv_cache, metadata)  # [tokens, heads, head_dim]
+        return self.fused_post_attention(o.reshape(x.shape[0], -1), x, tiles)
+
+    def fused_qkv(self, x: torch.Tensor, tiles: FusedDecodeTiles) -> torch.Tensor:
+        """``qkv_proj(input_layernorm(x))`` in one GEMV: ``[num_tokens, q_size + 2 * kv_size]``."""
+        from vtllm.worker.kernels.gemv import gemv
+
+        norm = self.input_layernorm
+        weight = self.self_attn.qkv_proj.weight
+        return gemv(x, weight, tiles.qkv, norm_weight=norm.weight, norm_eps=norm.eps)
+
+    def fused_post_attention(
+        self,
+        o: torch.Tensor,  # [num_tokens, heads * head_dim]: attention's output
+        x: torch.Tensor,  # [num_tokens, hidden]: the stream the layer started from
+        tiles: FusedDecodeTiles,
+    ) -> torch.Tensor:
+        """o projection + residual, norm + gate/up, SwiGLU + down + residual: three GEMVs,
+        the stream after the layer ``[num_tokens, hidden]``."""
+        from vtllm.worker.kernels.gemv import gemv
+
+        norm, mlp = self.post_attention_layernorm, self.mlp
+        h = gemv(o, self.self_attn.o_proj.weight, tiles.o, residual=x)
+        gate_up = gemv(
+            h, mlp.gate_up_proj.weight, tiles.gate_up, norm_weight=norm.weight, norm_eps=norm.eps
+        )
+        return gemv(gate_up, mlp.down_proj.weight, tiles.down, silu_and_mul=True, residual=h)
+
+    def fused_decode_eligible(self) -> str | None:
+        """None when ``forward_fused`` computes exactly what ``forward`` does here, else
+        why not: it needs one rank (no all-reduce between a projection and its residual),
+        no biases, SwiGLU, Llama-style norms and plain 16-bit weights on a GPU."""
+        from vtllm.worker.layers.small_batch import GemvMethod
+
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if attn.o_proj.tp.size > 1:
+            return f"tensor parallel over {attn.o_proj.tp.size} ranks"
+        if any(linear.bias is not None for linear in linears):
+            return "biased projections"
+        if mlp.hidden_act != "silu":
+            return f"activation {mlp.hidden_act}"
+        if any(
+            type(norm) is not RMSNorm
+            for norm in (self.input_layernorm, self.post_attention_layernorm)
+        ):
+            return "Gemma-style norms"
+        for linear in linears:
+            weight = linear.weight
+            if weight.dtype not in (torch.bfloat16, torch.float16) or not weight.is_cuda:
+                return f"{str(weight.dtype).removeprefix('torch.')} weights on {weight.device.type}"
+            if linear.linear_method is not None and not isinstance(
+                linear.linear_method, GemvMethod
+            ):
+                return f"{type(linear.linear_method).__name__} layers"
+        return None
+
 
 class LlamaModel(nn.Module):
     def __init__(self, args: LlamaArgs, tp: TPGroup) -> None:
@@ -351,6 +429,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: LlamaArgs, tp: TPGroup) -> None:
         super().__init__()
         self.args = args
+        # steps of up to 4 tokens through LlamaDecoderLayer.forward_fused (set at start-up
+        # by layers/small_batch.py where timing says it pays)
+        self.fused_decode: FusedDecodeTiles | None = None
         self.model = LlamaModel(args, tp)
         self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
         if args.tie_word_embeddings:
@@ -365,8 +446,14 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        layers = zip(self.model.layers, kv_caches, strict=True)
+        tiles = self.fused_decode
+        if tiles is not None and x.shape[0] <= tiles.max_rows:
+            for layer, kv_cache in layers:
+                x = layer.forward_fused(x, positions, self.rotary, kv_cache, metadata, tiles)
+            return self.model.norm(x)  # [num_tokens, hidden]
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for layer, kv_cache in layers:
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, metadata)
         return self.model.norm(x, residual)[0]  # [num_tokens, hidden]
 
