@@ -73,3 +73,18 @@ def test_bench_prefill_reads_the_prompt_against_a_matmul_of_the_widest_linear(tm
     assert result["prefill_tok_s"] == pytest.approx(200 / result["prefill_s"], rel=0.01)
     assert result["model_tflop"] == round(prefill_flops(_SHRUNKEN, 200) / 1e12, 2)
     assert result["matmul_tflop_s"] > 0 and result["matmul_fraction"] > 0
+
+
+def test_bench_exits_at_once_when_the_engine_core_refuses_to_start(tmp_path):
+    """An engine core that cannot start (here: a KV cache too small for one sequence)
+    exits; the benchmark notices its process is gone and says so, instead of waiting for
+    a handshake that never comes."""
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(_SHRUNKEN))
+    command = [sys.executable, "-m", "vtllm.cli", "bench", "latency", "--model-shape"]
+    command += [str(config_path), "--no-roofline", "--kv-cache-memory", "4KiB"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    child = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert child.returncode == 1, child.stderr[-2000:]
+    assert "refusing to start" in child.stderr
+    assert "exited before it answered the handshake" in child.stderr.splitlines()[-1]

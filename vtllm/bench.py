@@ -230,11 +230,18 @@ def measure_copy_bandwidth(num_bytes: int = 2 * 1024**3, repeats: int = 10) -> f
 def _engine(config: VtllmConfig, model_dir: str):
     from vtllm.launch import start_engine_core
     from vtllm.protocol import transport
-    from vtllm.protocol.client import EngineCoreClient
+    from vtllm.protocol.client import EngineCoreClient, HandshakeError
 
     runtime_dir = transport.make_runtime_dir()
     process, address = start_engine_core(config, model_dir, runtime_dir)
-    client = EngineCoreClient(address, "vtllm-bench", timeout_s=1800)
+    try:
+        client = EngineCoreClient(
+            address, "vtllm-bench", timeout_s=1800, engine_alive=process.is_alive
+        )
+    except HandshakeError as e:
+        process.join(5)
+        transport.remove_runtime_dir(runtime_dir)
+        raise SystemExit(f"vtllm bench: {e}; exit code {process.exitcode}") from None
     return process, client, runtime_dir
 
 

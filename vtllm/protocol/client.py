@@ -20,7 +20,7 @@ from __future__ import annotations
 import queue
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -49,11 +49,15 @@ class EngineCoreClient:
         timeout_s: float = 60.0,
         curve_keys: transport.ClientKeys | None = None,
         reconnect: bool = False,
+        engine_alive: Callable[[], bool] | None = None,
     ) -> None:
         """Connect and handshake (raises ``HandshakeError``). ``curve_keys``: this
         client's key file (``transport.ClientKeys.load``, made by ``vtllm keygen client``)
         when the engine listens on a CurveZMQ-secured tcp:// address.
-        ``reconnect``: losing the engine is not final (see ``EngineClient.connect``)."""
+        ``reconnect``: losing the engine is not final (see ``EngineClient.connect``).
+        ``engine_alive``: for a caller that started the engine core itself, e.g. its
+        process's ``is_alive``; the handshake stops waiting (``HandshakeError``) as soon
+        as it says False, instead of at ``timeout_s``."""
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._pending: dict[str, deque[m.RequestOutput]] = defaultdict(deque)
         self._in_flight: set[str] = set()
@@ -68,9 +72,11 @@ class EngineCoreClient:
             address, client_name, self._events.put, curve_keys=curve_keys, reconnect=reconnect
         )
         self._session.start()
-        self.ready = self._handshake(address, timeout_s)
+        self.ready = self._handshake(address, timeout_s, engine_alive)
 
-    def _handshake(self, address: str, timeout_s: float) -> m.Ready:
+    def _handshake(
+        self, address: str, timeout_s: float, engine_alive: Callable[[], bool] | None
+    ) -> m.Ready:
         deadline = time.monotonic() + timeout_s
         while self._epoch == 0:
             remaining = deadline - time.monotonic()
@@ -78,6 +84,12 @@ class EngineCoreClient:
                 self._session.stop()
                 raise HandshakeError(
                     f"engine core at {address} did not answer the handshake within {timeout_s:.0f}s"
+                )
+            if engine_alive is not None and not engine_alive():
+                self._session.stop()
+                raise HandshakeError(
+                    f"the engine core for {address} exited before it answered the handshake "
+                    "(its log says why)"
                 )
             try:
                 event = self._events.get(timeout=min(remaining, 0.5))

@@ -268,6 +268,13 @@ VARIANTS = [
         dict(TOP_K=8, BLOCK_TOPK=8, BLOCK_N=8, BLOCK_K=64) | _NO_SCALE,
     ),
     Variant(
+        "fused_moe_down_sum/bf16-top8-2-wide",
+        fused_moe_decode._fused_moe_down_sum_kernel,
+        "bf16",
+        dict(TOP_K=8, BLOCK_TOPK=8, BLOCK_N=2, BLOCK_K=256) | _NO_SCALE,
+        num_warps=8,
+    ),
+    Variant(
         "fused_moe_down_sum/bf16-fp8-block-top8",
         fused_moe_decode._fused_moe_down_sum_kernel,
         "bf16",

@@ -58,3 +58,14 @@ def test_a_model_without_the_chain_is_left_alone(caplog):
     model = torch.nn.Linear(4, 4)
     assert tune_fused_decode(model, platform=None, tiles_by_shape={}) is None
     assert not caplog.records  # nothing to say about a model that has no chain
+
+
+def test_moe_models_keep_their_unfused_layers():
+    from vtllm.worker.models.moe_llama import MoeLlamaArgs, MoeLlamaForCausalLM
+
+    config = CONFIG | dict(
+        model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+    model = MoeLlamaForCausalLM(MoeLlamaArgs.from_hf_config(config), TPGroup())
+    assert model.fused_decode is None
+    assert model.model.layers[0].fused_decode_eligible() == "SparseMoeBlock layers"

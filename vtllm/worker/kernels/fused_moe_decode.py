@@ -159,27 +159,29 @@ def _fused_moe_down_sum_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def _gemv_tiles(num_pairs: int, n: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) of the gate/up GEMV: the widest N tile (64, 32, 16)
-    that still gives every SM two programs. At batch 1 (8 pairs) a 64-wide tile would start
-    only 96 programs for a 768-wide expert and leave most of an H200's 132 SMs idle; those
-    16-wide tiles read K 256 at a time with 8 warps (H200 sweep, ``fused_moe_kernel.py
-    --sweep``: the top-8 layer 50.1 → 44.4 µs)."""
+def _gemv_tiles(num_pairs: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the gate/up GEMV: the widest N tile (64, 32) that
+    still gives every SM two programs, else 8 outputs by up to 1,024 K with 4 warps. At
+    batch 1 (8 pairs) a 64-wide tile would start only 96 programs for a 768-wide expert and
+    leave most of the SMs idle; the narrow tile starts 768, each with one 16 KB load in
+    flight (sweep at one token, ``fused_moe_kernel.py --sweep``, Qwen3-30B-A3B layer: 16 x
+    256 / 8 warps, session 21's choice on an H200, 37.95-38.38 µs for the layer on an
+    H100 in 2026-12-06's call; 8 x 1024 / 4 warps 34.53 µs)."""
     for block_n in (64, 32):
         if num_pairs * triton.cdiv(n, block_n) >= 2 * num_sms(device):
             return block_n, 128, 4
-    return 16, 256, 8
+    return 8, min(1024, triton.next_power_of_2(k)), 4
 
 
-def _down_sum_tiles(num_tokens: int, n: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) of the down-and-sum kernel: the widest N tile (32 ..
-    8) that gives every SM two programs (one token: 2048 outputs in 256 tiles of 8), K 128
-    at a time with 8 warps (H200 sweep: the top-8 layer at one token 50.1 → 39.0 µs, at
-    four 96.3 → 76.2 µs)."""
+def _down_sum_tiles(num_tokens: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the down-and-sum kernel: the widest N tile (32,
+    16) that gives every SM two programs, else 2 outputs by up to 256 K with 8 warps (one
+    token: 2,048 outputs in 1,024 programs; same sweep: 8 x 128, session 21's choice,
+    37.95-38.38 µs for the layer, 2 x 256 34.26 µs)."""
     for block_n in (32, 16):
         if num_tokens * triton.cdiv(n, block_n) >= 2 * num_sms(device):
             return block_n, 128, 8
-    return 8, 128, 8
+    return 2, min(256, triton.next_power_of_2(k)), 8
 
 
 def moe_decode(
@@ -198,7 +200,7 @@ def moe_decode(
     num_pairs, inter = pair_weights.numel(), w2.shape[2]
     top_k = num_pairs // num_tokens
     inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
-    block_n, block_k, num_warps = _gemv_tiles(num_pairs, inter, x.device)
+    block_n, block_k, num_warps = _gemv_tiles(num_pairs, inter, hidden, x.device)
     scale, scale_strides, constexprs, block_k = scale_args(w13_scales, pair_weights, block_k)
     _fused_moe_gemv_kernel[(num_pairs, triton.cdiv(inter, block_n))](
         inter_out, x, w13, scale, pair_experts, inter, hidden,
@@ -207,7 +209,7 @@ def moe_decode(
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )  # fmt: skip
     out = torch.empty_like(x)  # [T, H]
-    block_n, block_k, num_warps = _down_sum_tiles(num_tokens, hidden, x.device)
+    block_n, block_k, num_warps = _down_sum_tiles(num_tokens, hidden, inter, x.device)
     scale, scale_strides, constexprs, block_k = scale_args(w2_scales, pair_weights, block_k)
     _fused_moe_down_sum_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
         out, inter_out, w2, scale, pair_weights, pair_experts, hidden, inter,

@@ -382,6 +382,8 @@ class LlamaDecoderLayer(nn.Module):
         from vtllm.worker.layers.small_batch import GemvMethod
 
         attn, mlp = self.self_attn, self.mlp
+        if type(mlp) is not LlamaMLP:
+            return f"{type(mlp).__name__} layers"
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if attn.o_proj.tp.size > 1:
             return f"tensor parallel over {attn.o_proj.tp.size} ranks"

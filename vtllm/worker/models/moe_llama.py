@@ -152,6 +152,7 @@ class MoeLlamaForCausalLM(LlamaForCausalLM):
     def __init__(self, args: MoeLlamaArgs, tp: TPGroup) -> None:
         nn.Module.__init__(self)
         self.args = args
+        self.fused_decode = None  # the parent's forward asks; MoE layers have no chain
         self.model = MoeLlamaModel(args, tp)
         self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
         if args.tie_word_embeddings:
