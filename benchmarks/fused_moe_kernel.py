@@ -16,7 +16,9 @@ down-and-sum launch configuration at ``--tokens`` (the default first), and the w
 routed layer (router projection + routing + experts) with the routing kernel and with the
 torch routing it replaced (the baseline, same run):
 
-    python3 benchmarks/fused_moe_kernel.py --sweep --tokens 1 4 16
+    python3 benchmarks/fused_moe_kernel.py --sweep --tokens 1 4 16 [--fp8]
+
+(``--fp8``: the experts in e4m3 with one scale a row, as ``--quantization fp8`` makes them.)
 
 ``--sweep-gemm`` does the same for the grouped-GEMM path (prefill and large decode batches:
 ``--tokens 64 256 1024 8192``): the gate/up GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, warps,
@@ -60,10 +62,18 @@ def _time_ms(fn, iters: int, *args) -> float:
 
 def sweep_decode(args, w13, w2, router) -> None:
     """JSON lines: microseconds per call of each decode-path launch configuration, and of
-    the routed layer with kernel vs torch routing (see the module docstring)."""
+    the routed layer with kernel vs torch routing (see the module docstring). With
+    ``--fp8`` the experts are e4m3 with one scale a row (``--quantization fp8``)."""
     import itertools
 
+    from vtllm.worker.kernels.moe_common import ExpertScales
+    from vtllm.worker.layers.fp8 import quantize_rows
+
     platform = detect_platform(0)
+    scales = (None, None)
+    if args.fp8:
+        (w13, s13), (w2, s2) = (quantize_rows(w, platform.fp8_dtype) for w in (w13, w2))
+        scales = (ExpertScales(s13, None), ExpertScales(s2, None))
     device, hidden, experts = platform.device, args.hidden, args.experts
     spec = RouterSpec(args.top_k, round_weights=True)  # Qwen3-MoE's router
     gemv_tiles, down_tiles = decode_kernels._gemv_tiles, decode_kernels._down_sum_tiles
@@ -78,10 +88,10 @@ def sweep_decode(args, w13, w2, router) -> None:
         weights = torch.full((num_tokens, args.top_k), 1.0 / args.top_k, device=device)
 
         def experts_only(i, x=x, weights=weights, ids=ids):
-            return fused_moe(x, w13, w2, weights, ids[i], "silu", "gemv")
+            return fused_moe(x, w13, w2, weights, ids[i], "silu", "gemv", *scales)
 
-        default = (gemv_tiles(num_tokens * args.top_k, args.inter, device),
-                   down_tiles(num_tokens, hidden, device))  # fmt: skip
+        default = (gemv_tiles(num_tokens * args.top_k, args.inter, hidden, device, w13.element_size()),
+                   down_tiles(num_tokens, hidden, args.inter, device))  # fmt: skip
         # gate/up tiles hold [BLOCK_N, BLOCK_K] twice, down tiles [top_k, BLOCK_N, BLOCK_K]:
         # at most 16K and 32K elements (narrow N with long K won the dense GEMV's sweep)
         gate_grid = itertools.product((2, 4, 8, 16, 32, 64), (128, 256, 512, 1024), (4, 8))
@@ -104,7 +114,7 @@ def sweep_decode(args, w13, w2, router) -> None:
             def layer(i, route=route, x=x):
                 logits = x @ router[i % 4].t()  # [T, E]
                 topk_weights, topk_ids = route(logits, spec)
-                return fused_moe(x, w13, w2, topk_weights, topk_ids)
+                return fused_moe(x, w13, w2, topk_weights, topk_ids, "silu", "auto", *scales)
 
             us = platform.graph_us(layer)
             print(json.dumps({"tokens": num_tokens, "layer_with_routing": routing, "us": round(us, 1)}),
@@ -175,6 +185,7 @@ def main() -> None:
     parser.add_argument("--peak-gbps", type=float, default=4800.0)
     parser.add_argument("--sweep", action="store_true", help="decode-path configurations")
     parser.add_argument("--sweep-gemm", action="store_true", help="grouped-GEMM configurations")
+    parser.add_argument("--fp8", action="store_true", help="--sweep over e4m3 experts, row scales")
     args = parser.parse_args()
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)

@@ -37,7 +37,8 @@
 #   async-throughput-SHAPE  the same for `vtllm bench throughput` (256 prompts)
 #   moe-kernel    benchmarks/fused_moe_kernel.py: the fused-MoE kernel vs its torch reference
 #   moe-sweep     its --sweep: decode-path launch configurations at 1, 4, 16 tokens, and the
-#                 routed layer with the routing kernel vs torch routing
+#                 routed layer with the routing kernel vs torch routing ($MOE_SWEEP_TOKENS)
+#   moe-sweep-fp8 the same over e4m3 experts with row scales (--quantization fp8)
 #   moe-gemm-sweep  its --sweep-gemm: grouped-GEMM launch configurations at 256, 64, 1024
 #                 and 8192 tokens
 #   gemv-sweep    benchmarks/gemv_kernel.py --sweep: the small-batch GEMV's launch
@@ -185,10 +186,14 @@ for phase in "$@"; do
     moe-kernel)
       timeout 50 python3 benchmarks/fused_moe_kernel.py >> "$OUT/moe_kernel.jsonl" 2>&1
       tail -8 "$OUT/moe_kernel.jsonl" ;;
-    moe-sweep)
-      timeout 240 python3 benchmarks/fused_moe_kernel.py --sweep --tokens ${MOE_SWEEP_TOKENS:-1 4 16} \
-        >> "$OUT/moe_sweep.jsonl" 2>> "$OUT/moe_sweep.log"
-      grep -E '"default": true|layer_with' "$OUT/moe_sweep.jsonl" ;;
+    moe-sweep|moe-sweep-fp8)
+      fp8=; [ $phase = moe-sweep-fp8 ] && fp8=--fp8
+      timeout 240 python3 benchmarks/fused_moe_kernel.py --sweep $fp8 --tokens ${MOE_SWEEP_TOKENS:-1 4 16} \
+        >> "$OUT/$phase.jsonl" 2>> "$OUT/$phase.log"
+      grep -E '"default": true|layer_with' "$OUT/$phase.jsonl"
+      python3 -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]
+rows = sorted((r for r in rows if isinstance(r.get('us'), float)), key=lambda r: r['us'])
+print('fastest:', *rows[:5], sep='\n')" "$OUT/$phase.jsonl" ;;
     moe-gemm-sweep)
       timeout 300 python3 benchmarks/fused_moe_kernel.py --sweep-gemm --tokens 256 64 1024 8192 \
         >> "$OUT/moe_gemm_sweep.jsonl" 2>> "$OUT/moe_gemm_sweep.log"

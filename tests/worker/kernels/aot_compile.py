@@ -218,8 +218,8 @@ VARIANTS = [
         "fused_moe_gemv/bf16-gate-up-gelu-tanh",
         fused_moe_decode._fused_moe_gemv_kernel,
         "bf16",
-        dict(TOP_K=8, ACTIVATION=1) | dict(_NO_SCALE, BLOCK_N=16, BLOCK_K=256),
-        num_warps=8,
+        dict(TOP_K=8, ACTIVATION=1) | dict(_NO_SCALE, BLOCK_N=8, BLOCK_K=1024),
+        num_warps=4,
     ),
     Variant(
         "fused_moe_gemv/fp16-fp8-block-gate-up-silu",
@@ -241,7 +241,8 @@ VARIANTS = [
         fused_moe_decode._fused_moe_gemv_kernel,
         "bf16",
         dict(TOP_K=8, ACTIVATION=0, W_SCALE=1, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1)
-        | dict(BLOCK_N=64, BLOCK_K=128),
+        | dict(BLOCK_N=8, BLOCK_K=512),
+        num_warps=8,
         fp8_pointers=("w_ptr",),
     ),
     Variant(

@@ -159,17 +159,23 @@ def _fused_moe_down_sum_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def _gemv_tiles(num_pairs: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) of the gate/up GEMV: the widest N tile (64, 32) that
-    still gives every SM two programs, else 8 outputs by up to 1,024 K with 4 warps. At
-    batch 1 (8 pairs) a 64-wide tile would start only 96 programs for a 768-wide expert and
-    leave most of the SMs idle; the narrow tile starts 768, each with one 16 KB load in
-    flight (sweep at one token, ``fused_moe_kernel.py --sweep``, Qwen3-30B-A3B layer: 16 x
-    256 / 8 warps, session 21's choice on an H200, 37.95-38.38 µs for the layer on an
-    H100 in 2026-12-06's call; 8 x 1024 / 4 warps 34.53 µs)."""
+def _gemv_tiles(
+    num_pairs: int, n: int, k: int, device: torch.device, weight_bytes: int = 2
+) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the gate/up GEMV over weights of ``weight_bytes``
+    an element: the widest N tile (64, 32) that still gives every SM two programs, else 8
+    outputs by up to 1,024 K with 4 warps (16-bit weights) or by up to 512 K with 8 warps
+    (FP8). At batch 1 (8 pairs) a 64-wide tile would start only 96 programs for a
+    768-wide expert and leave most of the SMs idle; the narrow tile starts 768. From the
+    one-token sweep (``fused_moe_kernel.py --sweep [--fp8]``, Qwen3-30B-A3B layer, H100,
+    2026-12-06): bf16 experts 37.95-38.38 µs with session 21's 16 x 256 / 8 warps, 34.53 µs
+    with 8 x 1024 / 4 warps (and 29.4-30.1 µs with the down tiles below as well); FP8
+    21.6 µs with 8 x 1024 / 4 warps, 19.3 µs with 8 x 512 / 8 warps."""
     for block_n in (64, 32):
         if num_pairs * triton.cdiv(n, block_n) >= 2 * num_sms(device):
             return block_n, 128, 4
+    if weight_bytes == 1:
+        return 8, min(512, triton.next_power_of_2(k)), 8
     return 8, min(1024, triton.next_power_of_2(k)), 4
 
 
@@ -200,7 +206,9 @@ def moe_decode(
     num_pairs, inter = pair_weights.numel(), w2.shape[2]
     top_k = num_pairs // num_tokens
     inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
-    block_n, block_k, num_warps = _gemv_tiles(num_pairs, inter, hidden, x.device)
+    block_n, block_k, num_warps = _gemv_tiles(
+        num_pairs, inter, hidden, x.device, w13.element_size()
+    )
     scale, scale_strides, constexprs, block_k = scale_args(w13_scales, pair_weights, block_k)
     _fused_moe_gemv_kernel[(num_pairs, triton.cdiv(inter, block_n))](
         inter_out, x, w13, scale, pair_experts, inter, hidden,
