@@ -33,7 +33,7 @@
 #   tput-SHAPE    `vtllm bench throughput` alone (256 prompts [100, 1024]), default flags
 #   ab-latency-SHAPE, ab-throughput-SHAPE  `vtllm bench latency|throughput` from this tree
 #                 and from $BASE_TREE (an unpacked older tree), alternating, $AB_ROUNDS
-#                 (default 2) runs each
+#                 (default 2) runs each, with $AB_FLAGS added (e.g. "--quantization fp8")
 #   async-throughput-SHAPE  the same for `vtllm bench throughput` (256 prompts)
 #   moe-kernel    benchmarks/fused_moe_kernel.py: the fused-MoE kernel vs its torch reference
 #   moe-sweep     its --sweep: decode-path launch configurations at 1, 4, 16 tokens, and the
@@ -162,7 +162,7 @@ for phase in "$@"; do
       for tree in $(for _ in $(seq ${AB_ROUNDS:-2}); do echo new base; done); do
         dir=$PWD; [ $tree = base ] && dir=$(cd "$BASE_TREE" && pwd)
         (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 150 python3 -m vtllm.cli bench $kind \
-          --model-shape "$shape" $BENCH 2>> "$OUT/ab_${kind}_${shape}_$tree.log" | tail -1 \
+          --model-shape "$shape" $BENCH ${AB_FLAGS:-} 2>> "$OUT/ab_${kind}_${shape}_$tree.log" | tail -1 \
           | sed "s/^/$tree /") | tee -a "$OUT/ab.jsonl"
       done ;;
     async-throughput-*)
