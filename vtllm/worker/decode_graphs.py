@@ -245,6 +245,11 @@ class DecodeGraphs:
             progress.advance(f"batch {size}" + (f", {splits} KV splits" if splits > 1 else ""))
         self.platform.synchronize()
 
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured (a size may have two: ``split_counts``); 0 without graphs."""
+        return len(self._graphs)
+
     def split_counts(self, size: int) -> list[int]:
         """The attention split counts that get a graph at ``size``: the one for the
         longest admitted sequence, and 1 where that is more."""

@@ -202,7 +202,7 @@ def _serve(
         used = _capture_graphs(runner, platform, max_len, sizes)
         logger.info(
             "captured %d decode graphs (batch %d..%d, up to %d tokens) using %.0f MiB in %.1fs",
-            len(sizes),
+            runner.decode_graphs.num_graphs,
             sizes[0],
             sizes[-1],
             max_len,
@@ -386,10 +386,14 @@ def _usable_kv_bytes(
     peak_activation = max(0, peak - weights - probe_kv)
     graph_bytes = 0
     if use_graphs:
-        # capture the largest graph once; every graph costs about as much device memory
+        # capture the largest size once; every graph costs about as much device memory
         # (its executable; the activations share one pool), so scale by their number
+        # (small sizes also get an unsplit variant: DecodeGraphs.split_counts)
         sizes = capture_sizes(config.scheduler.max_num_seqs)
-        graph_bytes = _capture_graphs(runner, platform, max(1, max_len), sizes[-1:]) * len(sizes)
+        largest = _capture_graphs(runner, platform, max(1, max_len), sizes[-1:])
+        graphs = runner.decode_graphs
+        count = sum(len(graphs.split_counts(size)) for size in sizes)
+        graph_bytes = largest // graphs.num_graphs * count
         runner.decode_graphs = None
     runner.kv_caches = []
     platform.empty_cache()
