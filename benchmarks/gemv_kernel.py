@@ -12,6 +12,12 @@ One JSON line per (shape, configuration): microseconds and the bytes' rate.
 ``--fp8`` quantises each weight to e4m3 with one scale per row (``--quantization fp8``)
 and times the FP8 layer's own one-row path (``fp8_matmul``, the Triton kernel) instead of
 ``F.linear``, against the GEMV reading the FP8 weight with its row scales.
+
+``--pdl`` (CUDA, sm90+) times the fused decode chain's dense part instead
+(``LlamaDecoderLayer.forward_fused``: q/k/v with the norm, o with the residual, gate/up
+with the norm, down with SwiGLU and the residual) over 16 layers of each dense shape in one
+graph, launched plainly and with programmatic dependent launch (each GEMV fetches its first
+weight tile while the one before finishes): µs a layer both ways, one JSON line a shape.
 """
 
 from __future__ import annotations
@@ -62,14 +68,55 @@ def sweep_tiles() -> list[GemvTiles]:
     return list(dict.fromkeys([*CANDIDATE_TILES, *tiles]))
 
 
+def time_chain_with_pdl(platform, model: str, tiles: GemvTiles) -> dict:
+    """µs a layer of the fused chain's four GEMVs, plain and with PDL (module docstring)."""
+    shapes = dense_shapes(model)
+    hidden = shapes["o"][0]
+    device, dtype = platform.device, torch.bfloat16
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+
+    layers = [
+        {name: weight(*shapes[name]) for name in ("qkv", "o", "gate_up", "down")}
+        | {
+            "norm1": torch.rand(hidden, device=device, dtype=dtype) + 0.5,
+            "norm2": torch.rand(hidden, device=device, dtype=dtype) + 0.5,
+        }  # fmt: skip
+        for _ in range(_COPIES)
+    ]
+    x = torch.randn(1, hidden, device=device, dtype=dtype)
+    o_in = torch.randn(1, shapes["o"][1], device=device, dtype=dtype)
+
+    def layer_chain(i: int, pdl: bool) -> None:
+        w = layers[i % _COPIES]
+        gemv(x, w["qkv"], tiles, norm_weight=w["norm1"], pdl=pdl)
+        h = gemv(o_in, w["o"], tiles, residual=x, pdl=pdl)
+        gate_up = gemv(h, w["gate_up"], tiles, norm_weight=w["norm2"], pdl=pdl)
+        gemv(gate_up, w["down"], tiles, silu_and_mul=True, residual=h, pdl=pdl)
+
+    plain = platform.graph_us(lambda i: layer_chain(i, False), _CALLS, _REPLAYS)
+    with_pdl = platform.graph_us(lambda i: layer_chain(i, True), _CALLS, _REPLAYS)
+    layer_bytes = sum(w.numel() * w.element_size() for w in layers[0].values())
+    return {"model": model, "tiles": str(tiles), "layer_mb": round(layer_bytes / 1e6, 1),
+            "plain_us_a_layer": round(plain, 2), "pdl_us_a_layer": round(with_pdl, 2),
+            "pdl_speedup": round(plain / with_pdl, 3)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama3-8b"])
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--sweep", action="store_true", help="the whole grid of tiles")
     parser.add_argument("--fp8", action="store_true", help="e4m3 weights, per-row scales")
+    parser.add_argument("--pdl", action="store_true", help="the fused chain, plain vs PDL")
     args = parser.parse_args()
     platform = detect_platform(0)
+    if args.pdl:
+        for model in args.shapes:
+            for tiles in CANDIDATE_TILES[:2]:
+                print(json.dumps(time_chain_with_pdl(platform, model, tiles)), flush=True)
+        return
     configs = sweep_tiles() if args.sweep else list(CANDIDATE_TILES)
     for model in args.shapes:
         for name, (n, k) in dense_shapes(model).items():

@@ -44,6 +44,8 @@
 #   gemv-sweep    benchmarks/gemv_kernel.py --sweep: the small-batch GEMV's launch
 #                 configurations (split K included) against cuBLAS at one row, per dense
 #                 shape of Qwen3-0.6B, Llama-3-8B and Qwen3-30B-A3B
+#   gemv-pdl      benchmarks/gemv_kernel.py --pdl: the fused chain's GEMVs a layer, plain
+#                 vs programmatic dependent launch (Hopper)
 #   gemv-fp8      benchmarks/gemv_kernel.py --fp8: the GEMV on e4m3 weights with row scales
 #                 against the FP8 Triton kernel, 1 and 4 rows (Qwen3-30B-A3B, Llama-3-8B)
 #   fp8-sweep     benchmarks/fp8_decode.py --sweep 1: dense FP8 launch configurations at one token
@@ -202,6 +204,9 @@ print('fastest:', *rows[:5], sep='\n')" "$OUT/$phase.jsonl" ;;
       timeout 300 python3 benchmarks/gemv_kernel.py --sweep \
         --shapes qwen3-0.6b llama3-8b qwen3-30b-a3b >> "$OUT/gemv_sweep.jsonl" 2>> "$OUT/gemv_sweep.log"
       cut -c1-400 "$OUT/gemv_sweep.jsonl"; tail -3 "$OUT/gemv_sweep.log" ;;
+    gemv-pdl)
+      timeout 120 python3 benchmarks/gemv_kernel.py --pdl --shapes qwen3-0.6b llama3-8b \
+        2>> "$OUT/gemv_pdl.log" | tee -a "$OUT/gemv_pdl.jsonl" ;;
     gemv-fp8)
       timeout 200 python3 benchmarks/gemv_kernel.py --fp8 --rows 1 4 \
         --shapes qwen3-30b-a3b llama3-8b >> "$OUT/gemv_fp8.jsonl" 2>> "$OUT/gemv_fp8.log"

@@ -86,6 +86,7 @@ class Variant:
     num_warps: int = 4
     num_stages: int = 2  # what the attention launcher passes
     fp8_pointers: tuple[str, ...] = ()  # pointers to the target's e4m3 (FP8 weights)
+    targets: tuple[str, ...] | None = None  # None: every target (else e.g. CUDA-only ops)
 
     def signature(self, target_name: str) -> dict[str, str]:
         signature = {}
@@ -104,7 +105,7 @@ class Variant:
 _ATTENTION = dict(SLIDING_WINDOW=0, NUM_KV_SPLITS=1, KV_FP8=False, ONE_QUERY_A_SEQ=False)
 _NO_SCALE = dict(W_SCALE=0, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1)
 _BLOCK_SCALES = dict(W_SCALE=2, SCALE_BLOCK_N=128, SCALE_BLOCK_K=128)
-_GEMV_PLAIN = dict(NORM=False, SILU_AND_MUL=False, RESIDUAL=False)
+_GEMV_PLAIN = dict(NORM=False, SILU_AND_MUL=False, RESIDUAL=False, USE_GDC=False)
 VARIANTS = [
     Variant(
         "paged_attention/prefill-bf16-d128",
@@ -315,6 +316,14 @@ VARIANTS = [
         "bf16",
         dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, ROW_SCALE=False) | dict(_GEMV_PLAIN, NORM=True),
     ),
+    Variant(  # programmatic dependent launch: griddepcontrol exists on sm90+ only
+        "gemv/bf16-pdl-norm",
+        gemv._gemv_kernel,
+        "bf16",
+        dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, ROW_SCALE=False)
+        | dict(_GEMV_PLAIN, NORM=True, USE_GDC=True),
+        targets=("h100-sm90",),
+    ),
     Variant(
         "gemv/bf16-silu-and-mul-residual",
         gemv._gemv_kernel,
@@ -438,6 +447,7 @@ def main(argv: list[str]) -> None:
         for variant in VARIANTS
         if not args.variants or any(variant.name.startswith(v) for v in args.variants)
         for target_name in args.target or TARGETS
+        if variant.targets is None or target_name in variant.targets
     ]
     report = {
         "triton": triton.__version__,

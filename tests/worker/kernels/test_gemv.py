@@ -195,3 +195,50 @@ def test_gpu_tuning_of_fp8_layers_installs_tiles_only_where_the_gemv_wins():
             torch.testing.assert_close(
                 layer(x).float(), F.linear(x, dequantised).float(), atol=3e-2, rtol=3e-2
             )
+
+
+@gpu
+def test_gpu_pdl_chain_gives_the_plain_chain_bits():
+    """Programmatic dependent launch (Hopper) changes when a GEMV starts, not what it
+    computes: the fused chain's four GEMVs, eagerly and inside a device graph, give the
+    same bits with and without it."""
+    from vtllm.worker.platform import PlatformKind, detect_platform
+
+    platform = detect_platform(0)
+    if platform.kind is not PlatformKind.CUDA or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs CUDA sm90+")
+    torch.manual_seed(0)
+    hidden, q_size, width = 1024, 2048, 3072
+    dtype, tiles = torch.bfloat16, CANDIDATE_TILES[0]
+
+    def weight(n, k):
+        return (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+
+    w_qkv, w_o, w_gu, w_down = (
+        weight(4096, hidden),
+        weight(hidden, q_size),
+        weight(2 * width, hidden),
+        weight(hidden, width),
+    )
+    norm1, norm2 = (
+        (torch.rand(hidden, device="cuda") + 0.5).to(dtype),
+        (torch.rand(hidden, device="cuda") + 0.5).to(dtype),
+    )
+    x = torch.randn(2, hidden, device="cuda").to(dtype)
+    o_in = torch.randn(2, q_size, device="cuda").to(dtype)
+
+    def chain(pdl: bool) -> list[torch.Tensor]:
+        qkv = gemv(x, w_qkv, tiles, norm_weight=norm1, pdl=pdl)
+        h = gemv(o_in, w_o, tiles, residual=x, pdl=pdl)
+        gate_up = gemv(h, w_gu, tiles, norm_weight=norm2, pdl=pdl)
+        return [qkv, h, gemv(gate_up, w_down, tiles, silu_and_mul=True, residual=h, pdl=pdl)]
+
+    plain = chain(False)
+    for expected, actual in zip(plain, chain(True), strict=True):
+        assert torch.equal(expected, actual)
+    with platform.capture_graph(platform.new_graph_pool()) as graph:
+        captured = chain(True)
+    graph.replay()
+    platform.synchronize()
+    for expected, actual in zip(plain, captured, strict=True):
+        assert torch.equal(expected, actual)

@@ -90,6 +90,7 @@ def _gemv_kernel(
     NORM: tl.constexpr,  # RMS-normalise x (weight norm_weight) before the product
     SILU_AND_MUL: tl.constexpr,  # x holds gate | up: the product takes silu(gate) * up
     RESIDUAL: tl.constexpr,  # add residual to the rounded output
+    USE_GDC: tl.constexpr,  # launched with programmatic dependent launch (CUDA, sm90+)
 ):
     pid_n = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
@@ -100,6 +101,13 @@ def _gemv_kernel(
     n_mask = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None] * stride_x_row + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w_row + offs_k[None, :]  # [N, K]
+    if USE_GDC:
+        # the weights are no kernel's output: the first tile streams in while the previous
+        # kernel finishes; everything the previous kernels wrote (x, residual) is read, and
+        # everything is written, only after the wait
+        w_first = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if NORM:  # each row's 1 / rms over its K inputs
         sum_sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -123,7 +131,14 @@ def _gemv_kernel(
             normed = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
             x = (normed * norm_weight.to(tl.float32)[None, :]).to(dtype)
         x = x.to(tl.float32)
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        if USE_GDC:
+            if k0 == 0:
+                w = w_first.to(tl.float32)
+            else:
+                w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        else:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BLOCK_M, BLOCK_N]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -148,11 +163,18 @@ def gemv(
     norm_eps: float = 1e-6,
     silu_and_mul: bool = False,  # x is gate | up: multiply by silu(gate) * up
     residual: torch.Tensor | None = None,  # [M, N]: added to the rounded output
+    pdl: bool = False,  # programmatic dependent launch (CUDA sm90+ only; see below)
 ) -> torch.Tensor:
     """``x @ weight.T`` (with ``row_scale``: ``x @ (weight * row_scale[:, None]).T``) as
     ``[M, N]`` in x's dtype (fp32 accumulation, rounded once), with the optional stages
     of the module docstring (``gemv_ref`` spells them out). ValueError for more than
-    ``MAX_GEMV_ROWS`` rows or shapes that disagree."""
+    ``MAX_GEMV_ROWS`` rows or shapes that disagree.
+
+    ``pdl``: launch with programmatic dependent launch, so that on Hopper the kernel can
+    start, and fetch its first weight tile, while the kernel before it in the stream (or
+    graph) finishes; it waits for that kernel before reading x or the residual. An
+    experiment measured by ``benchmarks/gemv_kernel.py --pdl``; nothing in the engine
+    asks for it yet."""
     num_rows, k = x.shape
     n = weight.shape[0]
     if silu_and_mul:
@@ -182,7 +204,8 @@ def gemv(
         num_rows, n, k, x.stride(0), out.stride(0), weight.stride(0), residual.stride(0),
         norm_eps, BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, ROW_SCALE=row_scale is not None, NORM=norm_weight is not None,
-        SILU_AND_MUL=silu_and_mul, RESIDUAL=residual is not out, num_warps=tiles.num_warps,
+        SILU_AND_MUL=silu_and_mul, RESIDUAL=residual is not out, USE_GDC=pdl,
+        num_warps=tiles.num_warps, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 
