@@ -99,6 +99,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # GPU workers with decode graphs: time the GEMV kernel against the library GEMM per
     # weight shape at start-up and use it at 1-4 rows where it wins (auto), or never (off).
     "VT_SMALL_BATCH_GEMV": lambda: _choice("VT_SMALL_BATCH_GEMV", ("auto", "off"), "auto"),
+    # CUDA sm90+: the fused decode chain's GEMVs with programmatic dependent launch where
+    # start-up timing says it pays (auto), or never (off).
+    "VT_DECODE_PDL": lambda: _choice("VT_DECODE_PDL", ("auto", "off"), "auto"),
     # Most stop strings in one request (HTTP schema).
     "VT_MAX_STOP_STRINGS": lambda: _int("VT_MAX_STOP_STRINGS", 64),
     # Most characters of one stop string (HTTP schema).

@@ -355,9 +355,11 @@ def _assert_top5_close_and_picks_agree(reference: list, candidate: list, label: 
     assert agree >= 0.9 * picks
 
 
-def test_fused_decode_chain_on_a_realistic_shape(tmp_path, caplog):
+@pytest.mark.parametrize("pdl", [False, True])
+def test_fused_decode_chain_on_a_realistic_shape(pdl, tmp_path, caplog):
     """Qwen3-0.6B dimensions (4 layers, random bf16 weights), decode graphs: start-up
-    timing decides on the fused chain and logs it; then decode steps of 4 and 2 requests
+    timing decides on the fused chain and logs it; then (with ``pdl``, its GEMVs launched
+    with programmatic dependent launch) decode steps of 4 and 2 requests
     through the chain against the unfused layers, fed the same tokens: top-5 logprobs
     within 0.05, >= 90 % of greedy picks alike (the chain rounds as the unfused kernels
     do; only its RMS sums run in another order)."""
@@ -371,6 +373,10 @@ def test_fused_decode_chain_on_a_realistic_shape(tmp_path, caplog):
     config = dict(MODEL_SHAPES["qwen3-0.6b"], num_hidden_layers=4)
     (tmp_path / "config.json").write_text(json.dumps(config))
     platform = detect_platform(0)
+    if pdl and (
+        platform.kind is not PlatformKind.CUDA or torch.cuda.get_device_capability()[0] < 9
+    ):
+        pytest.skip("programmatic dependent launch needs CUDA sm90+")
 
     def run(fused: bool, forced: list | None) -> list:
         runner = ModelRunner.from_model_dir(
@@ -380,7 +386,7 @@ def test_fused_decode_chain_on_a_realistic_shape(tmp_path, caplog):
             with caplog.at_level(logging.INFO, logger="vtllm.worker.layers.small_batch"):
                 tune_small_batch_linears(runner.model, platform)
             assert "fused decode chain (1 row, device graphs)" in caplog.text
-            runner.model.fused_decode = FusedDecodeTiles(*[CANDIDATE_TILES[0]] * 4)
+            runner.model.fused_decode = FusedDecodeTiles(*[CANDIDATE_TILES[0]] * 4, pdl=pdl)
         runner.init_kv_cache(num_blocks=1024, block_size=16)
         runner.capture_decode_graphs(platform, 4, 2048)
         engine = EngineSim(runner.execute, num_blocks=1024, block_size=16)
@@ -394,4 +400,5 @@ def test_fused_decode_chain_on_a_realistic_shape(tmp_path, caplog):
 
     unfused = run(fused=False, forced=None)
     fused = run(fused=True, forced=unfused)
-    _assert_top5_close_and_picks_agree(unfused, fused, "fused decode chain vs unfused")
+    label = f"fused decode chain{' with PDL' if pdl else ''} vs unfused"
+    _assert_top5_close_and_picks_agree(unfused, fused, label)

@@ -69,3 +69,74 @@ def test_moe_models_keep_their_unfused_layers():
     model = MoeLlamaForCausalLM(MoeLlamaArgs.from_hf_config(config), TPGroup())
     assert model.fused_decode is None
     assert model.model.layers[0].fused_decode_eligible() == "SparseMoeBlock layers"
+
+
+def test_pdl_is_left_out_where_it_cannot_run(device, monkeypatch):
+    """Programmatic dependent launch only on CUDA sm90+ and unless VT_DECODE_PDL=off; a
+    launch that fails (here Triton's interpreter, which has no griddepcontrol) leaves the
+    chain plain, with the reason, instead of failing the start-up."""
+    from vtllm.worker.layers.small_batch import _pdl_available, time_chain_with_pdl
+    from vtllm.worker.platform import Platform, PlatformKind, detect_platform
+
+    platform = detect_platform(0)
+    assert not _pdl_available(Platform(PlatformKind.CPU, torch.device("cpu")))
+    monkeypatch.setenv("VT_DECODE_PDL", "off")
+    assert not _pdl_available(platform)
+    if device.type != "cpu":
+        return  # on a GPU the launch itself is tested in test_gemv.py
+    pdl_us, why_not = time_chain_with_pdl(platform, [make_layer(torch.float32, device)], TILES)
+    assert pdl_us is None and why_not.startswith("InterpreterError")
+
+
+class _TimedPlatform:
+    """Stands in for a GPU's graph timing: hands out the given µs in turn."""
+
+    def __init__(self, *timings: float) -> None:
+        self.timings = list(timings)
+
+    def graph_us(self, fn, calls, replays) -> float:
+        return self.timings.pop(0)
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("unfused", "fused", "pdl", "chosen", "log"),
+    [
+        (30.0, 26.0, None, "plain", "26.0 µs fused, no PDL (InterpreterError"),
+        (30.0, 26.0, 22.0, "pdl", "26.0 µs fused, with PDL 22.0 µs → fused with PDL"),
+        (30.0, 26.0, 25.5, "plain", "with PDL 25.5 µs → fused for steps of up to 4"),
+        (30.0, 29.0, 28.0, None, "with PDL 28.0 µs → unfused"),
+    ],
+)
+def test_start_up_picks_the_chain_and_pdl_by_their_times(
+    unfused, fused, pdl, chosen, log, device, monkeypatch, caplog
+):
+    """The decision alone (the timings stand in for a GPU's): the chain where it takes
+    under 95 % of the unfused layer's time, PDL where it takes under 95 % of the plain
+    chain's; the log line gives every time."""
+    import logging
+
+    from vtllm.worker.layers import small_batch
+    from vtllm.worker.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaArgs.from_hf_config(CONFIG), TPGroup())
+    monkeypatch.setattr(LlamaDecoderLayer, "fused_decode_eligible", lambda self: None)
+    monkeypatch.setattr(small_batch, "_pdl_available", lambda platform: True)
+    if pdl is not None:
+        monkeypatch.setattr(small_batch, "time_chain_with_pdl", lambda *_: (pdl, ""))
+    else:  # the real check: Triton's interpreter cannot launch with PDL
+        model = model.to(device)
+        for module in model.modules():  # finite weights for the check's eager run
+            for param in module.parameters(recurse=False):
+                torch.nn.init.normal_(param, std=0.05)
+    shapes = {(128, 64): GemvTiles(16, 32, 4), (64, 64): GemvTiles(16, 32, 4),
+              (192, 64): GemvTiles(16, 32, 4), (64, 96): GemvTiles(16, 32, 4)}  # fmt: skip
+    with caplog.at_level(logging.INFO, logger=small_batch.__name__):
+        tiles = tune_fused_decode(model, _TimedPlatform(unfused, fused), shapes)
+    assert log in caplog.text
+    if chosen is None:
+        assert tiles is None and model.fused_decode is None
+    else:
+        assert model.fused_decode is tiles and tiles.pdl == (chosen == "pdl")

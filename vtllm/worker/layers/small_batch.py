@@ -26,6 +26,7 @@ kernels a layer fewer (on a small model a decode step is mostly such kernels' fi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ class FusedDecodeTiles:
     gate_up: GemvTiles
     down: GemvTiles
     max_rows: int = MAX_GEMV_ROWS  # steps of at most this many tokens take the chain
+    pdl: bool = False  # launch the GEMVs with programmatic dependent launch (CUDA sm90+)
 
 
 class GemvMethod(LinearMethod):
@@ -226,7 +228,7 @@ def time_decode_chain(
         layer.self_attn.qkv_proj(h)
         layer.post_attention(o, residual)
 
-    def fused(i: int) -> None:
+    def fused(i: int, tiles: FusedDecodeTiles = tiles) -> None:
         layer = layers[i % len(layers)]
         layer.fused_qkv(x, tiles)
         layer.fused_post_attention(o, x, tiles)
@@ -235,6 +237,38 @@ def time_decode_chain(
         platform.graph_us(unfused, _CALLS_PER_GRAPH, _REPLAYS),
         platform.graph_us(fused, _CALLS_PER_GRAPH, _REPLAYS),
     )
+
+
+def _pdl_available(platform) -> bool:
+    """Programmatic dependent launch: CUDA on sm90 or later, unless VT_DECODE_PDL=off."""
+    from vtllm import envs
+    from vtllm.worker.platform import PlatformKind
+
+    if envs.VT_DECODE_PDL == "off" or platform.kind is not PlatformKind.CUDA:
+        return False
+    return torch.cuda.get_device_capability(platform.device)[0] >= 9
+
+
+def time_chain_with_pdl(
+    platform, layers: list[nn.Module], tiles: FusedDecodeTiles
+) -> tuple[float | None, str]:
+    """µs per layer of the fused chain's dense part launched with PDL, after a check that
+    it gives the plain chain's bits (eagerly, two rows); ``(None, why)`` where it cannot
+    be used."""
+    layer = layers[0]
+    weight = layer.self_attn.qkv_proj.weight
+    x = torch.randn(2, weight.shape[1], device=weight.device, dtype=weight.dtype)
+    o = torch.randn(2, layer.self_attn.o_proj.weight.shape[1], device=x.device, dtype=x.dtype)
+    with_pdl = dataclasses.replace(tiles, pdl=True)
+    try:
+        plain = (layer.fused_qkv(x, tiles), layer.fused_post_attention(o, x, tiles))
+        launched = (layer.fused_qkv(x, with_pdl), layer.fused_post_attention(o, x, with_pdl))
+        platform.synchronize()
+        if not all(torch.equal(a, b) for a, b in zip(plain, launched, strict=True)):
+            return None, "its outputs differ from the plain launch's"
+        return time_decode_chain(platform, layers, with_pdl)[1], ""
+    except Exception as error:  # noqa: BLE001 - e.g. a Triton without launch_pdl, a graph
+        return None, f"{type(error).__name__}: {error}"[:200]
 
 
 def tune_fused_decode(
@@ -254,14 +288,23 @@ def tune_fused_decode(
     if any(shape not in tiles_by_shape for shape in shapes):
         return None
     tiles = FusedDecodeTiles(*(tiles_by_shape[shape] for shape in shapes))
-    unfused_us, fused_us = time_decode_chain(platform, layers, tiles)
+    unfused_us, plain_us = time_decode_chain(platform, layers, tiles)
+    fused_us, pdl = plain_us, ""
+    if _pdl_available(platform):
+        pdl_us, why_not = time_chain_with_pdl(platform, layers, tiles)
+        if pdl_us is not None and pdl_us < _WIN * fused_us:
+            tiles, fused_us = dataclasses.replace(tiles, pdl=True), pdl_us
+        pdl = f", with PDL {pdl_us:.1f} µs" if pdl_us is not None else f", no PDL ({why_not})"
     wins = fused_us < _WIN * unfused_us
     logger.info(
         "fused decode chain (1 row, device graphs): a layer's dense part %.1f µs unfused, "
-        "%.1f µs fused → %s",
+        "%.1f µs fused%s → %s",
         unfused_us,
-        fused_us,
-        f"fused for steps of up to {tiles.max_rows} tokens" if wins else "unfused",
+        plain_us,
+        pdl,
+        f"fused{' with PDL' if tiles.pdl else ''} for steps of up to {tiles.max_rows} tokens"
+        if wins
+        else "unfused",
     )
     model.fused_decode = tiles if wins else None
     return model.fused_decode

@@ -356,7 +356,7 @@ class LlamaDecoderLayer(nn.Module):
 
         norm = self.input_layernorm
         weight = self.self_attn.qkv_proj.weight
-        return gemv(x, weight, tiles.qkv, norm_weight=norm.weight, norm_eps=norm.eps)
+        return gemv(x, weight, tiles.qkv, norm_weight=norm.weight, norm_eps=norm.eps, pdl=tiles.pdl)
 
     def fused_post_attention(
         self,
@@ -369,11 +369,15 @@ class LlamaDecoderLayer(nn.Module):
         from vtllm.worker.kernels.gemv import gemv
 
         norm, mlp = self.post_attention_layernorm, self.mlp
-        h = gemv(o, self.self_attn.o_proj.weight, tiles.o, residual=x)
+        h = gemv(o, self.self_attn.o_proj.weight, tiles.o, residual=x, pdl=tiles.pdl)
         gate_up = gemv(
-            h, mlp.gate_up_proj.weight, tiles.gate_up, norm_weight=norm.weight, norm_eps=norm.eps
-        )
-        return gemv(gate_up, mlp.down_proj.weight, tiles.down, silu_and_mul=True, residual=h)
+            h, mlp.gate_up_proj.weight, tiles.gate_up, norm_weight=norm.weight,
+            norm_eps=norm.eps, pdl=tiles.pdl,
+        )  # fmt: skip
+        return gemv(
+            gate_up, mlp.down_proj.weight, tiles.down, silu_and_mul=True, residual=h,
+            pdl=tiles.pdl,
+        )  # fmt: skip
 
     def fused_decode_eligible(self) -> str | None:
         """None when ``forward_fused`` computes exactly what ``forward`` does here, else
