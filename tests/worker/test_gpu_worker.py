@@ -373,9 +373,7 @@ def test_fused_decode_chain_on_a_realistic_shape(pdl, tmp_path, caplog):
     config = dict(MODEL_SHAPES["qwen3-0.6b"], num_hidden_layers=4)
     (tmp_path / "config.json").write_text(json.dumps(config))
     platform = detect_platform(0)
-    if pdl and (
-        platform.kind is not PlatformKind.CUDA or torch.cuda.get_device_capability()[0] < 9
-    ):
+    if pdl and not platform.has_programmatic_dependent_launch:
         pytest.skip("programmatic dependent launch needs CUDA sm90+")
 
     def run(fused: bool, forced: list | None) -> list:

@@ -150,6 +150,14 @@ class Platform:
             return False
         return torch.cuda.get_device_capability(self.device) >= (8, 9)
 
+    @property
+    def has_programmatic_dependent_launch(self) -> bool:
+        """Whether kernels may be launched with programmatic dependent launch
+        (``griddepcontrol``): NVIDIA compute capability 9.0+ (Hopper and later)."""
+        if self.kind is not PlatformKind.CUDA:
+            return False
+        return torch.cuda.get_device_capability(self.device) >= (9, 0)
+
     def record_event(self) -> Any | None:
         """An event recorded now on the current stream (``query()`` is True once the work
         queued before it is done, ``synchronize()`` waits for it); None on CPU, where that

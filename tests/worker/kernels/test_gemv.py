@@ -202,10 +202,10 @@ def test_gpu_pdl_chain_gives_the_plain_chain_bits():
     """Programmatic dependent launch (Hopper) changes when a GEMV starts, not what it
     computes: the fused chain's four GEMVs, eagerly and inside a device graph, give the
     same bits with and without it."""
-    from vtllm.worker.platform import PlatformKind, detect_platform
+    from vtllm.worker.platform import detect_platform
 
     platform = detect_platform(0)
-    if platform.kind is not PlatformKind.CUDA or torch.cuda.get_device_capability()[0] < 9:
+    if not platform.has_programmatic_dependent_launch:
         pytest.skip("programmatic dependent launch needs CUDA sm90+")
     torch.manual_seed(0)
     hidden, q_size, width = 1024, 2048, 3072

@@ -242,11 +242,8 @@ def time_decode_chain(
 def _pdl_available(platform) -> bool:
     """Programmatic dependent launch: CUDA on sm90 or later, unless VT_DECODE_PDL=off."""
     from vtllm import envs
-    from vtllm.worker.platform import PlatformKind
 
-    if envs.VT_DECODE_PDL == "off" or platform.kind is not PlatformKind.CUDA:
-        return False
-    return torch.cuda.get_device_capability(platform.device)[0] >= 9
+    return envs.VT_DECODE_PDL != "off" and platform.has_programmatic_dependent_launch
 
 
 def time_chain_with_pdl(
