@@ -61,8 +61,10 @@ async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random) -
         async for line in response.aiter_lines():
             if abandon and line.startswith("data: {"):
                 return "abandoned"  # leaving the block closes the connection mid-stream
-            if line.startswith("data: {") and '"error"' in line:
-                return "error: " + json.loads(line[6:])["error"]["message"]
+            # a parsed key, not a substring: a sampled text delta may be the word itself
+            # ('"text":"error"'), which failed CI once
+            if line.startswith("data: {") and "error" in (event := json.loads(line[6:])):
+                return "error: " + event["error"]["message"]
             if line == "data: [DONE]":
                 return "done"
     return "closed without [DONE]"
