@@ -20,6 +20,14 @@ torch routing it replaced (the baseline, same run):
 
 (``--fp8``: the experts in e4m3 with one scale a row, as ``--quantization fp8`` makes them.)
 
+``--sweep-router`` times the router alone at ``--tokens`` (up to 8), in device graphs over
+20 routers (so that L2 does not hold them): the router GEMM then the routing kernel (the
+baseline, same run) against the fused router-and-routing kernel at each launch
+configuration (experts a program, hidden-dim step, warps), and the RMSNorm kernel before
+the router against the norm folded into it (``moe_norm_router_route``, default tiles):
+
+    python3 benchmarks/fused_moe_kernel.py --sweep-router --tokens 1 4 8
+
 ``--sweep-gemm`` does the same for the grouped-GEMM path (prefill and large decode batches:
 ``--tokens 64 256 1024 8192``): the gate/up GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, warps,
 stages) with the down GEMM at its default, then the down GEMM's with the gate/up at its
@@ -43,7 +51,14 @@ from vtllm.worker.kernels import fused_moe as moe_kernels  # noqa: E402
 from vtllm.worker.kernels import fused_moe_decode as decode_kernels  # noqa: E402
 from vtllm.worker.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
 from vtllm.worker.kernels.moe_align import align_pairs_by_expert, align_pairs_by_expert_ref  # noqa: E402
-from vtllm.worker.kernels.moe_routing import moe_route_ref  # noqa: E402
+from vtllm.worker.kernels.moe_routing import (  # noqa: E402
+    MAX_FUSED_ROUTER_TOKENS,
+    RouterTiles,
+    moe_norm_router_route,
+    moe_route_ref,
+    moe_router_route,
+)
+from vtllm.worker.kernels.rms_norm import rms_norm  # noqa: E402
 from vtllm.worker.layers.moe import RouterSpec, select_experts  # noqa: E402
 from vtllm.worker.platform import detect_platform  # noqa: E402
 
@@ -109,16 +124,70 @@ def sweep_decode(args, w13, w2, router) -> None:
             print(json.dumps({"tokens": num_tokens, "gemv_tiles": gemv, "down_sum_tiles": down,
                               "default": (gemv, down) == default, "us": us}), flush=True)  # fmt: skip
         decode_kernels._gemv_tiles, decode_kernels._down_sum_tiles = gemv_tiles, down_tiles
-        for routing, route in (("kernel", select_experts), ("torch", _torch_route)):
+        for routing, route in (
+            ("kernel", select_experts), ("torch", _torch_route), ("fused", None),
+        ):  # fmt: skip
+            if route is None and num_tokens > MAX_FUSED_ROUTER_TOKENS:
+                continue
 
             def layer(i, route=route, x=x):
-                logits = x @ router[i % 4].t()  # [T, E]
-                topk_weights, topk_ids = route(logits, spec)
+                if route is None:  # router linear and routing in one kernel
+                    topk_weights, topk_ids = moe_router_route(
+                        x, router[i % 4], spec.top_k, round_weights=True
+                    )
+                else:
+                    logits = x @ router[i % 4].t()  # [T, E]
+                    topk_weights, topk_ids = route(logits, spec)
                 return fused_moe(x, w13, w2, topk_weights, topk_ids, "silu", "auto", *scales)
 
             us = platform.graph_us(layer)
             print(json.dumps({"tokens": num_tokens, "layer_with_routing": routing, "us": round(us, 1)}),
                   flush=True)  # fmt: skip
+
+
+def sweep_router(args, routers) -> None:
+    """JSON lines: microseconds per router call (router GEMM + routing kernel, then the
+    fused kernel at each ``RouterTiles``), see the module docstring."""
+    import itertools
+
+    platform = detect_platform(0)
+    spec = RouterSpec(args.top_k, round_weights=True)  # Qwen3-MoE's router
+    norm_weight = torch.ones(args.hidden, device=platform.device, dtype=torch.bfloat16)
+    for num_tokens in args.tokens:
+        x = torch.randn(num_tokens, args.hidden, device=platform.device).bfloat16()
+
+        def unfused(i, x=x):
+            return select_experts(x @ routers[i].t(), spec)
+
+        residual = torch.randn_like(x)
+
+        def norm_unfused(i, x=x, residual=residual):  # the RMSNorm kernel, then the above
+            h, _ = rms_norm(x, norm_weight, 1e-6, residual)
+            return select_experts(h @ routers[i].t(), spec)
+
+        def norm_fused(i, x=x, residual=residual):
+            return moe_norm_router_route(x, residual, norm_weight, 1e-6, routers[i],
+                                         spec.top_k, round_weights=True)  # fmt: skip
+
+        for name, fn in (("gemm+route", unfused), ("norm+gemm+route", norm_unfused),
+                         ("norm-fused", norm_fused)):  # fmt: skip
+            us = platform.graph_us(fn)
+            print(json.dumps({"tokens": num_tokens, "router": name, "us": round(us, 2)}),
+                  flush=True)  # fmt: skip
+        default = RouterTiles()
+        grid = itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048), (1, 2, 4, 8))
+        for tiles in [default, *(RouterTiles(*g) for g in grid if RouterTiles(*g) != default)]:
+
+            def fused(i, x=x, tiles=tiles):
+                return moe_router_route(x, routers[i], spec.top_k, round_weights=True,
+                                        tiles=tiles)  # fmt: skip
+
+            try:
+                us = round(platform.graph_us(fused), 2)
+            except Exception as error:  # a configuration the compiler refuses
+                us = f"failed: {type(error).__name__}"
+            print(json.dumps({"tokens": num_tokens, "router": "fused", "tiles": tiles.__dict__,
+                              "default": tiles == default, "us": us}), flush=True)  # fmt: skip
 
 
 def sweep_gemm(args, w13, w2) -> None:
@@ -185,6 +254,7 @@ def main() -> None:
     parser.add_argument("--peak-gbps", type=float, default=4800.0)
     parser.add_argument("--sweep", action="store_true", help="decode-path configurations")
     parser.add_argument("--sweep-gemm", action="store_true", help="grouped-GEMM configurations")
+    parser.add_argument("--sweep-router", action="store_true", help="router configurations")
     parser.add_argument("--fp8", action="store_true", help="--sweep over e4m3 experts, row scales")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -197,6 +267,10 @@ def main() -> None:
     router = torch.randn(experts, hidden, device=device, generator=generator).bfloat16()
     if args.sweep_gemm:
         sweep_gemm(args, w13, w2)
+        return
+    if args.sweep_router:
+        routers = torch.randn(20, experts, hidden, device=device, generator=generator)
+        sweep_router(args, (routers / hidden**0.5).bfloat16())
         return
     if args.sweep:
         routers = torch.randn(4, experts, hidden, device=device, generator=generator).bfloat16()

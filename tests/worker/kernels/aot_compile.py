@@ -66,6 +66,7 @@ _POINTER_TYPES = {
     "num_padded_ptr": "*i32",
     "pair_expert_ids_ptr": "*i32",
     "ids_ptr": "*i32",
+    "arrivals_ptr": "*i32",
     "weights_ptr": "*fp32",
     "scale_ptr": "*fp32",
     "k_scale_ptr": "*fp32",
@@ -349,6 +350,30 @@ VARIANTS = [
         "fp32",
         dict(TOP_K=4, SCORING=1, RENORMALIZE=False, ROUND=False, HAS_EXPERT_SCALE=True)
         | dict(BLOCK_E=256, BLOCK_TOPK=4),
+    ),
+    Variant(
+        "moe_router_route/bf16-softmax-top8-of-128-decode",
+        moe_routing._moe_router_route_kernel,
+        "bf16",
+        dict(TOP_K=8, SCORING=0, RENORMALIZE=True, ROUND=True, HAS_EXPERT_SCALE=False)
+        | dict(BLOCK_E=128, BLOCK_TOPK=8, BLOCK_T=1, BLOCK_N=2, BLOCK_K=1024)
+        | dict(NORM=False, HAS_RESIDUAL=False),
+    ),
+    Variant(
+        "moe_router_route/bf16-norm-residual-top8-of-128-decode",
+        moe_routing._moe_router_route_kernel,
+        "bf16",
+        dict(TOP_K=8, SCORING=0, RENORMALIZE=True, ROUND=True, HAS_EXPERT_SCALE=False)
+        | dict(BLOCK_E=128, BLOCK_TOPK=8, BLOCK_T=1, BLOCK_N=2, BLOCK_K=1024)
+        | dict(NORM=True, HAS_RESIDUAL=True),
+    ),
+    Variant(
+        "moe_router_route/fp16-sigmoid-scaled-8-tokens",
+        moe_routing._moe_router_route_kernel,
+        "fp16",
+        dict(TOP_K=4, SCORING=1, RENORMALIZE=False, ROUND=False, HAS_EXPERT_SCALE=True)
+        | dict(BLOCK_E=256, BLOCK_TOPK=4, BLOCK_T=8, BLOCK_N=4, BLOCK_K=128)
+        | dict(NORM=False, HAS_RESIDUAL=False),
     ),
     Variant(
         "fp8_matmul/bf16-block-128",

@@ -1,14 +1,23 @@
 """moe_route (one Triton program per token) vs its torch twin: scores, top-k order, ties,
-renormalisation, rounding and per-expert scales."""
+renormalisation, rounding and per-expert scales; moe_router_route (router linear and routing
+in one launch, the last program to arrive routing) vs the linear then the twin."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vtllm.worker.kernels.moe_routing import moe_route, moe_route_ref
+from vtllm.worker.kernels.moe_routing import (
+    MAX_FUSED_ROUTER_TOKENS,
+    RouterTiles,
+    moe_norm_router_route,
+    moe_route,
+    moe_route_ref,
+    moe_router_route,
+)
+from vtllm.worker.kernels.rms_norm import rms_norm_ref
 
-from .marks import gpu
+from .marks import TOLERANCES, gpu
 
 
 @pytest.mark.parametrize(
@@ -78,3 +87,160 @@ def test_gpu_bf16_router_of_qwen3_30b_a3b(device, generator):
     assert torch.equal(scores.gather(1, ids.long()), scores.gather(1, ref_ids))
     assert (ids.long() == ref_ids).float().mean() > 0.9  # ties aside, the same ids
     torch.testing.assert_close(weights.float(), ref_weights.float(), atol=4e-3, rtol=1e-2)
+
+
+def _router_ref(x, gate_weight, top_k, scoring="softmax", renormalize=True, **kwargs):
+    return moe_route_ref(torch.nn.functional.linear(x, gate_weight), top_k, scoring,
+                         renormalize, **kwargs)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "hidden", "top_k", "scoring", "renormalize", "tiles"),
+    [
+        (1, 128, 2048, 8, "softmax", True, None),  # Qwen3-30B-A3B at batch 1
+        (1, 128, 2048, 8, "softmax", True, RouterTiles(block_n=4, block_k=256)),
+        (3, 60, 96, 4, "softmax", False, None),  # odd experts, hidden not a power of two
+        (8, 257, 64, 1, "sigmoid", False, RouterTiles(block_n=8, block_k=64)),
+        (5, 8, 200, 2, "softmax", True, RouterTiles(block_n=1)),  # Mixtral, 8 programs
+    ],
+)
+def test_fused_router_matches_linear_then_reference(
+    num_tokens, num_experts, hidden, top_k, scoring, renormalize, tiles, device, generator
+):
+    x = torch.randn(num_tokens, hidden, generator=generator).to(device)
+    gate = (torch.randn(num_experts, hidden, generator=generator) / hidden**0.5).to(device)
+    weights, ids = moe_router_route(x, gate, top_k, scoring, renormalize, tiles=tiles)
+    ref_weights, ref_ids = _router_ref(x, gate, top_k, scoring, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert ids.shape == weights.shape == (num_tokens, top_k)
+    assert torch.equal(ids.long().cpu(), ref_ids.cpu())
+    torch.testing.assert_close(weights, ref_weights, atol=1e-5, rtol=1e-4)
+
+
+def test_fused_router_leaves_its_counter_at_zero_for_the_next_launch(device, generator):
+    """Each launch's last program resets the arrivals counter: launches in a row (as graph
+    replays are) each route their own tokens."""
+    from vtllm.worker.kernels import moe_routing
+
+    gate = torch.randn(32, 64, generator=generator).to(device)
+    for _ in range(3):
+        x = torch.randn(2, 64, generator=generator).to(device)
+        _, ids = moe_router_route(x, gate, 4, tiles=RouterTiles(block_n=4))
+        assert torch.equal(ids.long().cpu(), _router_ref(x, gate, 4)[1].cpu())
+        assert moe_routing._ARRIVALS[torch.device(device)].item() == 0
+
+
+def test_fused_router_expert_scale_and_rounding(device, generator):
+    x = torch.randn(4, 48, generator=generator).to(device)
+    gate = torch.randn(16, 48, generator=generator).to(device) / 7
+    expert_scale = torch.rand(16, generator=generator).to(device) + 0.5
+    weights, ids = moe_router_route(x, gate, 3, expert_scale=expert_scale)
+    ref_weights, ref_ids = _router_ref(x, gate, 3, expert_scale=expert_scale)
+    assert torch.equal(ids.long().cpu(), ref_ids.cpu())
+    torch.testing.assert_close(weights, ref_weights, atol=1e-5, rtol=1e-4)
+    # fp16 hidden states: logits and weights rounded to fp16 as the router linear does
+    # (fp16, not bf16: the interpreter truncates bf16 casts)
+    half_x, half_gate = x.half(), gate.half()
+    rounded, rounded_ids = moe_router_route(half_x, half_gate, 3, round_weights=True)
+    ref_rounded, ref_rounded_ids = _router_ref(
+        half_x.float(), half_gate.float(), 3, round_weights=False
+    )
+    assert rounded.dtype == torch.float16
+    torch.testing.assert_close(rounded.float(), ref_rounded, atol=2e-3, rtol=2e-3)
+
+
+def test_fused_router_refusals_name_the_numbers(device):
+    x = torch.zeros(MAX_FUSED_ROUTER_TOKENS + 1, 16, device=device)
+    gate = torch.zeros(8, 16, device=device)
+    with pytest.raises(ValueError, match=f"up to {MAX_FUSED_ROUTER_TOKENS} tokens, got 9"):
+        moe_router_route(x, gate, 2)
+    with pytest.raises(ValueError, match=r"\[num_experts, 16\]"):
+        moe_router_route(x[:1], gate[:, :8], 2)
+    with pytest.raises(ValueError, match="top_k=9"):
+        moe_router_route(x[:1], gate, 9)
+    weights, ids = moe_router_route(x[:0], gate, 2)  # no tokens: nothing launched
+    assert weights.shape == ids.shape == (0, 2)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "hidden", "dtype", "tiles"),
+    [
+        (1, 256, torch.float32, None),
+        (3, 200, torch.float32, RouterTiles(block_n=4, block_k=64)),  # 4 chunks, a ragged one
+        (8, 96, torch.float16, RouterTiles(block_n=2, block_k=512)),
+    ],
+)
+def test_norm_router_matches_rms_norm_then_router(num_tokens, hidden, dtype, tiles, device,
+                                                  generator):  # fmt: skip
+    """RMSNorm(x + residual) folded in: the normed rows and the residual sum as the
+    RMSNorm kernel's twin gives them, the routing of the normed rows."""
+    x = torch.randn(num_tokens, hidden, generator=generator).to(device, dtype)
+    residual = torch.randn(num_tokens, hidden, generator=generator).to(device, dtype)
+    norm_weight = (torch.rand(hidden, generator=generator) + 0.5).to(device, dtype)
+    gate = (torch.randn(24, hidden, generator=generator) / hidden**0.5).to(device, dtype)
+    weights, ids, normed, residual_sum = moe_norm_router_route(
+        x, residual, norm_weight, 1e-6, gate, 4, tiles=tiles
+    )
+    ref_normed, ref_sum = rms_norm_ref(x, norm_weight, 1e-6, residual)
+    assert torch.equal(residual_sum.cpu(), ref_sum.cpu())
+    torch.testing.assert_close(normed, ref_normed, **TOLERANCES[dtype])
+    ref_weights, ref_ids = _router_ref(normed.float(), gate.float(), 4)
+    assert torch.equal(ids.long().cpu(), ref_ids.cpu())
+    torch.testing.assert_close(weights, ref_weights, atol=2e-3, rtol=2e-3)
+
+
+def test_norm_router_refuses_mismatched_norm_inputs(device):
+    x = torch.zeros(2, 16, device=device)
+    gate = torch.zeros(8, 16, device=device)
+    with pytest.raises(ValueError, match=r"residual \(2, 8\)"):
+        moe_norm_router_route(x, x[:, :8], torch.ones(16, device=device), 1e-6, gate, 2)
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 8])
+def test_gpu_fused_router_of_qwen3_30b_a3b_under_graph_replays(num_tokens, device, generator):
+    """bf16 at the real shape, captured once in a CUDA graph and replayed on new hidden
+    states: every replay routes as cuBLAS's linear + moe_route do (ties aside)."""
+    gate = (torch.randn(128, 2048, generator=generator) / 45).to(device, torch.bfloat16)
+    x = torch.randn(num_tokens, 2048, generator=generator).to(device, torch.bfloat16)
+    moe_router_route(x, gate, 8, round_weights=True)  # warm-up: compile, counter
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = moe_router_route(x, gate, 8, round_weights=True)
+    for _ in range(20):
+        x.copy_(torch.randn(num_tokens, 2048, generator=generator).to(device, torch.bfloat16))
+        graph.replay()
+        logits = torch.nn.functional.linear(x, gate)
+        ref_weights, ref_ids = moe_route(logits, 8, "softmax", True, round_weights=True)
+        scores = logits.float().softmax(-1)
+        # the same scores picked (a one-ulp logit difference may reorder exact ties)
+        torch.testing.assert_close(
+            scores.gather(1, ids.long()), scores.gather(1, ref_ids.long()), atol=2e-3, rtol=0
+        )
+        torch.testing.assert_close(weights.float(), ref_weights.float(), atol=8e-3, rtol=2e-2)
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 8])
+def test_gpu_norm_router_of_qwen3_30b_a3b(num_tokens, device, generator):
+    """bf16, the real shape: the residual sum bit for bit, the normed rows within one
+    bf16 step of the RMSNorm kernel's, and the same experts for the same scores."""
+    from vtllm.worker.kernels.rms_norm import rms_norm
+
+    def draw(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(device, torch.bfloat16)
+
+    x, residual = draw(num_tokens, 2048), draw(num_tokens, 2048, scale=4.0)
+    norm_weight, gate = draw(2048, scale=0.1) + 1, draw(128, 2048, scale=1 / 45)
+    weights, ids, normed, residual_sum = moe_norm_router_route(
+        x, residual, norm_weight, 1e-6, gate, 8, round_weights=True
+    )
+    ref_normed, ref_sum = rms_norm(x, norm_weight, 1e-6, residual)
+    assert torch.equal(residual_sum, ref_sum)
+    torch.testing.assert_close(normed, ref_normed, atol=2e-2, rtol=1e-2)
+    logits = torch.nn.functional.linear(normed, gate)
+    ref_weights, ref_ids = moe_route(logits, 8, "softmax", True, round_weights=True)
+    scores = logits.float().softmax(-1)
+    torch.testing.assert_close(
+        scores.gather(1, ids.long()), scores.gather(1, ref_ids.long()), atol=2e-3, rtol=0
+    )

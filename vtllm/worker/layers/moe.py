@@ -85,6 +85,30 @@ def select_experts(
     )  # fmt: skip
 
 
+def route_tokens(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    router: Router,
+    spec: RouterSpec,
+    expert_scale: torch.Tensor | None = None,  # [num_experts]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_experts(router(x), spec, expert_scale)``; on a GPU, a decode step's few
+    tokens (up to ``MAX_FUSED_ROUTER_TOKENS``) take the router linear and the routing in
+    one kernel (``moe_router_route``), larger steps the router GEMM and the routing
+    kernel."""
+    from vtllm.worker.kernels import moe_routing
+
+    if (
+        x.is_cuda
+        and x.shape[0] <= moe_routing.MAX_FUSED_ROUTER_TOKENS
+        and x.dtype == router.weight.dtype
+    ):
+        return moe_routing.moe_router_route(
+            x, router.weight, spec.top_k, spec.scoring, spec.renormalize, spec.round_weights,
+            expert_scale,
+        )  # fmt: skip
+    return select_experts(router(x), spec, expert_scale)
+
+
 def _empty_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
@@ -190,8 +214,39 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp, activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(self.gate(x), self.router)
-        return self.experts(x, topk_weights, topk_ids)  # [num_tokens, hidden]
+        topk_weights, topk_ids = route_tokens(x, self.gate, self.router)
+        return self.experts(x, topk_weights, topk_ids)
+
+    def can_fold_norm(self, x: torch.Tensor, norm: nn.Module) -> bool:
+        """Whether ``forward_after_norm`` runs fused for these hidden states: a GPU, a
+        decode step's few tokens, a Llama-rounded RMSNorm, the router in x's dtype."""
+        from vtllm.worker.kernels import moe_routing
+
+        return (
+            x.is_cuda
+            and x.shape[0] <= moe_routing.MAX_FUSED_ROUTER_TOKENS
+            and not getattr(norm, "gemma", True)
+            and x.dtype == self.gate.weight.dtype
+            and self.gate.weight.shape[0] <= moe_routing.MAX_KERNEL_EXPERTS
+        )
+
+    def forward_after_norm(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: attention's output
+        residual: torch.Tensor,  # [num_tokens, hidden]: the residual stream
+        norm: nn.Module,  # the RMSNorm before this block (weight, eps)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(norm(x, residual))`` and the new residual stream, the norm folded
+        into the router's kernel (``moe_norm_router_route``): one launch fewer. Call when
+        ``can_fold_norm``."""
+        from vtllm.worker.kernels import moe_routing
+
+        spec = self.router
+        topk_weights, topk_ids, h, residual = moe_routing.moe_norm_router_route(
+            x, residual, norm.weight, norm.eps, self.gate.weight, spec.top_k, spec.scoring,
+            spec.renormalize, spec.round_weights,
+        )  # fmt: skip
+        return self.experts(h, topk_weights, topk_ids), residual  # [num_tokens, hidden]
 
 
 _EXPERT_TENSOR = re.compile(

@@ -68,7 +68,7 @@ from vtllm.worker.layers.moe import (
     Router,
     RouterSpec,
     expert_checkpoint_name,
-    select_experts,
+    route_tokens,
 )
 from vtllm.worker.layers.norm import Gemma4RMSNorm, ScalelessRMSNorm
 from vtllm.worker.layers.rotary import RotaryEmbedding
@@ -212,7 +212,7 @@ class Gemma4Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.norm(x) * self.scale * self.root_size  # [num_tokens, hidden]
         # [num_tokens, k] each
-        return select_experts(self.proj(h), self.spec, expert_scale=self.per_expert_scale)
+        return route_tokens(h, self.proj, self.spec, expert_scale=self.per_expert_scale)
 
 
 class StackedExperts(FusedMoE):

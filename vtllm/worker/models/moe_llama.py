@@ -22,14 +22,17 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
 from torch import nn
 
+from vtllm.worker.attention import AttentionMetadata
 from vtllm.worker.distributed import TPGroup
 from vtllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vtllm.worker.layers.moe import RouterSpec, SparseMoeBlock, expert_checkpoint_name
 from vtllm.worker.layers.norm import RMSNorm
 from vtllm.worker.layers.rotary import RotaryEmbedding
 from vtllm.worker.models.llama import (
+    KVCache,
     LlamaArgs,
     LlamaAttention,
     LlamaDecoderLayer,
@@ -134,6 +137,26 @@ class MoeLlamaDecoderLayer(LlamaDecoderLayer):
             )
         else:
             self.mlp = LlamaMLP(args, tp)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: the previous layer's output
+        residual: torch.Tensor | None,  # [num_tokens, hidden]; None before the first layer
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``LlamaDecoderLayer.forward``; at decode on a GPU the post-attention norm runs
+        inside the MoE router's kernel (``SparseMoeBlock.forward_after_norm``)."""
+        mlp = self.mlp
+        if not isinstance(mlp, SparseMoeBlock) or not mlp.can_fold_norm(
+            x, self.post_attention_layernorm
+        ):
+            return super().forward(x, residual, positions, rotary, kv_cache, metadata)
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, metadata)
+        return mlp.forward_after_norm(h, residual, self.post_attention_layernorm)
 
 
 class MoeLlamaModel(nn.Module):
