@@ -175,7 +175,7 @@ def sweep_router(args, routers) -> None:
             print(json.dumps({"tokens": num_tokens, "router": name, "us": round(us, 2)}),
                   flush=True)  # fmt: skip
         default = RouterTiles()
-        grid = itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048), (1, 2, 4, 8))
+        grid = itertools.product((1, 2, 4, 8), (512, 1024, 2048), (2, 4, 8))
         for tiles in [default, *(RouterTiles(*g) for g in grid if RouterTiles(*g) != default)]:
 
             def fused(i, x=x, tiles=tiles):

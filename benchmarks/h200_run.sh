@@ -40,7 +40,7 @@
 #                 routed layer with the routing kernel vs torch routing ($MOE_SWEEP_TOKENS)
 #   moe-sweep-fp8 the same over e4m3 experts with row scales (--quantization fp8)
 #   router-sweep  its --sweep-router: the fused router-and-routing kernel's launch
-#                 configurations at 1, 4, 8 tokens vs the router GEMM + routing kernel
+#                 configurations at 1 and 8 tokens vs the router GEMM + routing kernel
 #   moe-gemm-sweep  its --sweep-gemm: grouped-GEMM launch configurations at 256, 64, 1024
 #                 and 8192 tokens
 #   gemv-sweep    benchmarks/gemv_kernel.py --sweep: the small-batch GEMV's launch
@@ -199,7 +199,7 @@ for phase in "$@"; do
 rows = sorted((r for r in rows if isinstance(r.get('us'), float)), key=lambda r: r['us'])
 print('fastest:', *rows[:5], sep='\n')" "$OUT/$phase.jsonl" ;;
     router-sweep)
-      timeout 200 python3 benchmarks/fused_moe_kernel.py --sweep-router --tokens 1 4 8 \
+      timeout 200 python3 benchmarks/fused_moe_kernel.py --sweep-router --tokens 1 8 \
         >> "$OUT/router_sweep.jsonl" 2>> "$OUT/router_sweep.log"
       grep -E '"default": true|route"|fused"' "$OUT/router_sweep.jsonl"; tail -3 "$OUT/router_sweep.log"
       python3 -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]
