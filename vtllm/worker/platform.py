@@ -168,6 +168,10 @@ class Platform:
         event.record()
         return event
 
+    def is_capturing(self) -> bool:
+        """Whether the current stream is capturing a device graph (no host syncs then)."""
+        return self.is_gpu and torch.cuda.is_current_stream_capturing()
+
     def new_graph_pool(self) -> Any:
         """A memory pool that several graphs captured one after another can share."""
         return torch.cuda.graph_pool_handle()

@@ -244,3 +244,36 @@ def test_gpu_norm_router_of_qwen3_30b_a3b(num_tokens, device, generator):
     torch.testing.assert_close(
         scores.gather(1, ids.long()), scores.gather(1, ref_ids.long()), atol=2e-3, rtol=0
     )
+
+
+@pytest.mark.parametrize("fold_norm", [False, True])
+def test_start_up_check_passes_the_kernel_and_catches_a_wrong_one(
+    fold_norm, device, generator, monkeypatch
+):
+    """The layer's once-per-shape check (``layers/moe.py``) accepts the fused kernel, and
+    refuses one that routes to the wrong experts."""
+    from vtllm.worker.kernels import moe_routing
+    from vtllm.worker.layers import moe
+    from vtllm.worker.layers.norm import RMSNorm
+
+    gate = (torch.randn(16, 64, generator=generator) / 8).to(device)
+    x = torch.zeros(1, 64, device=device)
+    norm = None
+    if fold_norm:
+        norm = RMSNorm(64, 1e-6).to(device)
+        norm.weight.data = (torch.rand(64, generator=generator) + 0.5).to(device)
+    spec = moe.RouterSpec(top_k=4)
+    assert moe._check_fused_router(x, gate, spec, norm)
+
+    def shifted(fn):
+        def wrong(*args, **kwargs):
+            weights, ids, *rest = fn(*args, **kwargs)
+            return (weights, (ids + 1) % 16, *rest)
+
+        return wrong
+
+    monkeypatch.setattr(moe_routing, "moe_router_route", shifted(moe_routing.moe_router_route))
+    monkeypatch.setattr(
+        moe_routing, "moe_norm_router_route", shifted(moe_routing.moe_norm_router_route)
+    )
+    assert not moe._check_fused_router(x, gate, spec, norm)
