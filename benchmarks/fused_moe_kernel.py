@@ -23,10 +23,11 @@ torch routing it replaced (the baseline, same run):
 ``--sweep-router`` times the router alone at ``--tokens`` (up to 8), in device graphs over
 20 routers (so that L2 does not hold them): the router GEMM then the routing kernel (the
 baseline, same run) against the fused router-and-routing kernel at each launch
-configuration (experts a program, hidden-dim step, warps), and the RMSNorm kernel before
-the router against the norm folded into it (``moe_norm_router_route``, default tiles):
+configuration (experts a program, hidden-dim step, warps, packed top-k), and the RMSNorm
+kernel before the router against the norm folded into it (``moe_norm_router_route``,
+default tiles):
 
-    python3 benchmarks/fused_moe_kernel.py --sweep-router --tokens 1 4 8
+    python3 benchmarks/fused_moe_kernel.py --sweep-router --tokens 1 8
 
 ``--sweep-gemm`` does the same for the grouped-GEMM path (prefill and large decode batches:
 ``--tokens 64 256 1024 8192``): the gate/up GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, warps,
@@ -175,7 +176,7 @@ def sweep_router(args, routers) -> None:
             print(json.dumps({"tokens": num_tokens, "router": name, "us": round(us, 2)}),
                   flush=True)  # fmt: skip
         default = RouterTiles()
-        grid = itertools.product((1, 2, 4, 8), (512, 1024, 2048), (2, 4, 8))
+        grid = itertools.product((2, 4, 8), (1024,), (1, 2, 4), (False, True))
         for tiles in [default, *(RouterTiles(*g) for g in grid if RouterTiles(*g) != default)]:
 
             def fused(i, x=x, tiles=tiles):

@@ -357,7 +357,7 @@ VARIANTS = [
         "bf16",
         dict(TOP_K=8, SCORING=0, RENORMALIZE=True, ROUND=True, HAS_EXPERT_SCALE=False)
         | dict(BLOCK_E=128, BLOCK_TOPK=8, BLOCK_T=1, BLOCK_N=2, BLOCK_K=1024)
-        | dict(NORM=False, HAS_RESIDUAL=False),
+        | dict(NORM=False, HAS_RESIDUAL=False, PACKED_TOPK=False),
     ),
     Variant(
         "moe_router_route/bf16-norm-residual-top8-of-128-decode",
@@ -365,7 +365,7 @@ VARIANTS = [
         "bf16",
         dict(TOP_K=8, SCORING=0, RENORMALIZE=True, ROUND=True, HAS_EXPERT_SCALE=False)
         | dict(BLOCK_E=128, BLOCK_TOPK=8, BLOCK_T=1, BLOCK_N=2, BLOCK_K=1024)
-        | dict(NORM=True, HAS_RESIDUAL=True),
+        | dict(NORM=True, HAS_RESIDUAL=True, PACKED_TOPK=True),
     ),
     Variant(
         "moe_router_route/fp16-sigmoid-scaled-8-tokens",
@@ -373,7 +373,7 @@ VARIANTS = [
         "fp16",
         dict(TOP_K=4, SCORING=1, RENORMALIZE=False, ROUND=False, HAS_EXPERT_SCALE=True)
         | dict(BLOCK_E=256, BLOCK_TOPK=4, BLOCK_T=8, BLOCK_N=4, BLOCK_K=128)
-        | dict(NORM=False, HAS_RESIDUAL=False),
+        | dict(NORM=False, HAS_RESIDUAL=False, PACKED_TOPK=False),
     ),
     Variant(
         "fp8_matmul/bf16-block-128",

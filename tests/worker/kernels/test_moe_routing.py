@@ -102,6 +102,8 @@ def _router_ref(x, gate_weight, top_k, scoring="softmax", renormalize=True, **kw
         (3, 60, 96, 4, "softmax", False, None),  # odd experts, hidden not a power of two
         (8, 257, 64, 1, "sigmoid", False, RouterTiles(block_n=8, block_k=64)),
         (5, 8, 200, 2, "softmax", True, RouterTiles(block_n=1)),  # Mixtral, 8 programs
+        (1, 128, 2048, 8, "softmax", True, RouterTiles(packed_topk=True)),
+        (3, 60, 96, 4, "sigmoid", False, RouterTiles(block_n=4, packed_topk=True)),
     ],
 )
 def test_fused_router_matches_linear_then_reference(
@@ -128,6 +130,16 @@ def test_fused_router_leaves_its_counter_at_zero_for_the_next_launch(device, gen
         _, ids = moe_router_route(x, gate, 4, tiles=RouterTiles(block_n=4))
         assert torch.equal(ids.long().cpu(), _router_ref(x, gate, 4)[1].cpu())
         assert moe_routing._ARRIVALS[torch.device(device)].item() == 0
+
+
+def test_packed_top_k_picks_the_lowest_id_on_ties(device):
+    """Equal scores: the one-reduction top-k orders them by id, as the two-reduction one."""
+    gate = torch.zeros(6, 4, device=device)
+    gate[[1, 4], 0] = 3.0  # experts 1 and 4 lead, equal; then 0, 2, 3, 5 equal
+    x = torch.tensor([[1.0, 0.0, 0.0, 0.0]], device=device)
+    for packed in (False, True):
+        _, ids = moe_router_route(x, gate, 4, tiles=RouterTiles(packed_topk=packed))
+        assert ids.tolist() == [[1, 4, 0, 2]]
 
 
 def test_fused_router_expert_scale_and_rounding(device, generator):
@@ -250,10 +262,11 @@ def test_gpu_norm_router_of_qwen3_30b_a3b(num_tokens, device, generator):
 def test_start_up_check_passes_the_kernel_and_catches_a_wrong_one(
     fold_norm, device, generator, monkeypatch
 ):
-    """The layer's once-per-shape check (``layers/moe.py``) accepts the fused kernel, and
-    refuses one that routes to the wrong experts."""
+    """The layer's once-per-shape check (``layers/moe_router.py``) accepts the fused
+    kernel at every candidate tile set, and refuses one that routes to the wrong experts."""
     from vtllm.worker.kernels import moe_routing
-    from vtllm.worker.layers import moe
+    from vtllm.worker.layers.moe import RouterSpec
+    from vtllm.worker.layers.moe_router import CANDIDATE_TILES, routes_like_unfused
     from vtllm.worker.layers.norm import RMSNorm
 
     gate = (torch.randn(16, 64, generator=generator) / 8).to(device)
@@ -262,8 +275,9 @@ def test_start_up_check_passes_the_kernel_and_catches_a_wrong_one(
     if fold_norm:
         norm = RMSNorm(64, 1e-6).to(device)
         norm.weight.data = (torch.rand(64, generator=generator) + 0.5).to(device)
-    spec = moe.RouterSpec(top_k=4)
-    assert moe._check_fused_router(x, gate, spec, norm)
+    spec = RouterSpec(top_k=4)
+    for tiles in CANDIDATE_TILES:
+        assert routes_like_unfused(x, gate, spec, norm, tiles)
 
     def shifted(fn):
         def wrong(*args, **kwargs):
@@ -276,4 +290,25 @@ def test_start_up_check_passes_the_kernel_and_catches_a_wrong_one(
     monkeypatch.setattr(
         moe_routing, "moe_norm_router_route", shifted(moe_routing.moe_norm_router_route)
     )
-    assert not moe._check_fused_router(x, gate, spec, norm)
+    assert not routes_like_unfused(x, gate, spec, norm, CANDIDATE_TILES[0])
+
+
+@gpu
+def test_gpu_start_up_picks_by_time_and_logs_it(device, caplog):
+    """On a GPU the choice is made once per layer shape, timed against the unfused
+    kernels, and logged with both times."""
+    import logging
+
+    from vtllm.worker.layers import moe_router
+    from vtllm.worker.layers.moe import RouterSpec
+
+    gate = (torch.randn(128, 2048, device=device) / 45).bfloat16()
+    x = torch.zeros(1, 2048, device=device, dtype=torch.bfloat16)
+    spec = RouterSpec(top_k=8, round_weights=True)
+    moe_router._CHOSEN.clear()
+    with caplog.at_level(logging.INFO, logger="vtllm.worker.layers.moe_router"):
+        chosen = moe_router.fused_router_tiles(x, gate, spec, None)
+        assert moe_router.fused_router_tiles(x, gate, spec, None) == chosen  # cached
+    lines = [r.getMessage() for r in caplog.records if "fused MoE router" in r.getMessage()]
+    assert len(lines) == 1 and "unfused" in lines[0] and "µs" in lines[0]
+    assert chosen is None or chosen in moe_router.CANDIDATE_TILES

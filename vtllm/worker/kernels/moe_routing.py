@@ -49,8 +49,14 @@ def _route_row(
     HAS_EXPERT_SCALE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr,
+    PACKED_TOPK: tl.constexpr,
 ):
-    """Scores, top-k (lowest id on ties), renormalise, round, scale; store one row."""
+    """Scores, top-k (lowest id on ties), renormalise, round, scale; store one row.
+
+    PACKED_TOPK picks with one reduction a pick instead of two: a 64-bit key per expert,
+    the score's bits above (every real score is >= 0, so the bits order as the floats
+    do; masked lanes are negative) and ``BLOCK_E - 1 - id`` below, so the largest key is
+    the best score at the lowest id."""
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < num_experts
     if SCORING == 0:
@@ -63,12 +69,22 @@ def _route_row(
     offs_k = tl.arange(0, BLOCK_TOPK)
     picked = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
     picked_ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(scores, axis=0)
-        best_id = tl.min(tl.where(scores == best, offs_e, BLOCK_E), axis=0)  # lowest on ties
-        picked = tl.where(offs_k == j, best, picked)
-        picked_ids = tl.where(offs_k == j, best_id, picked_ids)
-        scores = tl.where(offs_e == best_id, -2.0, scores)
+    if PACKED_TOPK:
+        keys = (scores.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs_e)
+        for j in tl.static_range(TOP_K):
+            best_key = tl.max(keys, axis=0)
+            best_id = (BLOCK_E - 1 - (best_key & 0xFFFFFFFF)).to(tl.int32)
+            best = (best_key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            picked = tl.where(offs_k == j, best, picked)
+            picked_ids = tl.where(offs_k == j, best_id, picked_ids)
+            keys = tl.where(offs_e == best_id, -(1 << 62), keys)
+    else:
+        for j in tl.static_range(TOP_K):
+            best = tl.max(scores, axis=0)
+            best_id = tl.min(tl.where(scores == best, offs_e, BLOCK_E), axis=0)  # lowest on ties
+            picked = tl.where(offs_k == j, best, picked)
+            picked_ids = tl.where(offs_k == j, best_id, picked_ids)
+            scores = tl.where(offs_e == best_id, -2.0, scores)
     k_mask = offs_k < TOP_K
     if RENORMALIZE:
         picked = picked / tl.sum(tl.where(k_mask, picked, 0.0), axis=0)
@@ -107,6 +123,7 @@ def _moe_route_kernel(
     _route_row(
         logits, weights_ptr + row * TOP_K, ids_ptr + row * TOP_K, expert_scale_ptr, logits_ptr,
         num_experts, TOP_K, SCORING, RENORMALIZE, ROUND, HAS_EXPERT_SCALE, BLOCK_E, BLOCK_TOPK,
+        False,
     )  # fmt: skip
 
 
@@ -160,6 +177,7 @@ def _moe_router_route_kernel(
     BLOCK_TOPK: tl.constexpr,
     NORM: tl.constexpr,  # score RMSNorm(x [+ residual]) (Llama rounding), not x
     HAS_RESIDUAL: tl.constexpr,
+    PACKED_TOPK: tl.constexpr,  # _route_row's one-reduction top-k
     BLOCK_T: tl.constexpr,  # power of two >= num_tokens
     BLOCK_N: tl.constexpr,  # experts a program scores
     BLOCK_K: tl.constexpr,
@@ -219,7 +237,7 @@ def _moe_router_route_kernel(
             _route_row(
                 logits, weights_ptr + t * TOP_K, ids_ptr + t * TOP_K, expert_scale_ptr,
                 logits_ptr, num_experts, TOP_K, SCORING, RENORMALIZE, ROUND,
-                HAS_EXPERT_SCALE, BLOCK_E, BLOCK_TOPK,
+                HAS_EXPERT_SCALE, BLOCK_E, BLOCK_TOPK, PACKED_TOPK,
             )  # fmt: skip
         tl.atomic_xchg(arrivals_ptr, 0)  # ready for the next launch (and graph replay)
 
@@ -276,11 +294,13 @@ _ARRIVALS: dict[torch.device, torch.Tensor] = {}  # per device: the fused kernel
 @dataclass(frozen=True)
 class RouterTiles:
     """The fused router's launch: ``block_n`` experts a program (cdiv(E, block_n)
-    programs), ``block_k`` of the hidden dim a step."""
+    programs), ``block_k`` of the hidden dim a step, ``num_warps``, and the last
+    program's top-k with one reduction a pick (``packed_topk``) or two."""
 
     block_n: int = 2
     block_k: int = 1024
     num_warps: int = 4
+    packed_topk: bool = False  # one reduction a pick (``_route_row``)
 
 
 def _arrivals(device: torch.device) -> torch.Tensor:
@@ -346,6 +366,7 @@ def _launch_router(
         HAS_EXPERT_SCALE=expert_scale is not None,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOPK=triton.next_power_of_2(top_k),
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
+        PACKED_TOPK=tiles.packed_topk,
         BLOCK_T=block_t, BLOCK_N=tiles.block_n,
         BLOCK_K=max(64, min(tiles.block_k, triton.next_power_of_2(hidden)) // block_t),
         num_warps=tiles.num_warps,

@@ -30,7 +30,6 @@ in the same expert-major layout, filled per (expert, kind) from the checkpoint's
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,8 +42,7 @@ from vtllm.worker.distributed import TPGroup, divide
 
 if TYPE_CHECKING:  # the kernel modules import triton: only when a layer runs
     from vtllm.worker.kernels.fused_moe import ExpertScales
-
-logger = logging.getLogger(__name__)
+    from vtllm.worker.kernels.moe_routing import RouterTiles
 
 # HF activation name → the fused-MoE kernel's name for it
 MOE_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -88,82 +86,6 @@ def select_experts(
     )  # fmt: skip
 
 
-# (device, dtype, router shape, spec, folds the norm) -> whether the fused kernel checked out
-_FUSED_ROUTER_CHECKED: dict[tuple, bool] = {}
-
-
-def _fused_router_ok(
-    x: torch.Tensor, router_weight: torch.Tensor, spec: RouterSpec, norm: nn.Module | None
-) -> bool:
-    """Whether the fused router may serve this layer: checked once per device, dtype,
-    router shape and spec, on the first eager call (decode-graph warm-up runs eagerly
-    before each capture), against the router GEMM + ``moe_route`` on random hidden states
-    and the layer's own router weight (the same experts' scores and weights, the same
-    normed rows); a mismatch logs a warning and keeps the unfused kernels. False inside
-    a graph capture that comes before any check."""
-    from vtllm.worker.kernels import moe_routing
-    from vtllm.worker.platform import platform_of
-
-    key = (x.device, x.dtype, tuple(router_weight.shape), spec, norm is not None)
-    ok = _FUSED_ROUTER_CHECKED.get(key)
-    if ok is None:
-        if platform_of(x.device).is_capturing():
-            return False
-        ok = _FUSED_ROUTER_CHECKED[key] = _check_fused_router(x, router_weight, spec, norm)
-        if ok:
-            logger.info(
-                "fused MoE router (%s, router %s%s): start-up check passed; decode steps "
-                "of up to %d tokens route in one kernel",
-                x.dtype, tuple(router_weight.shape), ", norm folded" if norm else "",
-                moe_routing.MAX_FUSED_ROUTER_TOKENS,
-            )  # fmt: skip
-        else:
-            logger.warning(
-                "fused MoE router (%s, router %s%s): its start-up check disagreed with "
-                "the router GEMM + routing kernel; this layer shape keeps those",
-                x.dtype, tuple(router_weight.shape), ", norm folded" if norm else "",
-            )  # fmt: skip
-    return ok
-
-
-def _check_fused_router(
-    x: torch.Tensor, router_weight: torch.Tensor, spec: RouterSpec, norm: nn.Module | None
-) -> bool:
-    from vtllm.worker.kernels import moe_routing
-    from vtllm.worker.kernels.rms_norm import rms_norm
-
-    generator = torch.Generator(device=x.device).manual_seed(0)
-    hidden = router_weight.shape[1]
-    args = (spec.top_k, spec.scoring, spec.renormalize, spec.round_weights)
-    for num_tokens in (1, moe_routing.MAX_FUSED_ROUTER_TOKENS) * 4:
-        h = torch.randn(num_tokens, hidden, generator=generator, device=x.device).to(x.dtype)
-        if norm is None:
-            weights, ids = moe_routing.moe_router_route(h, router_weight, *args)
-            normed = h
-        else:
-            residual = torch.randn_like(h, dtype=torch.float32).to(x.dtype)
-            weights, ids, fused_normed, fused_sum = moe_routing.moe_norm_router_route(
-                h, residual, norm.weight, norm.eps, router_weight, *args
-            )
-            normed, residual_sum = rms_norm(h, norm.weight, norm.eps, residual)
-            if not torch.equal(fused_sum, residual_sum) or not torch.allclose(
-                fused_normed.float(), normed.float(), atol=0.05, rtol=0.02
-            ):
-                return False
-        logits = F.linear(normed, router_weight)
-        ref_weights, ref_ids = moe_routing.moe_route(logits, *args)
-        scores = logits.float()
-        scores = scores.softmax(-1) if spec.scoring == "softmax" else scores.sigmoid()
-        same_scores = torch.allclose(  # one-ulp logits may reorder near-ties
-            scores.gather(1, ids.long()), scores.gather(1, ref_ids.long()), atol=5e-3, rtol=0
-        )
-        if not same_scores or not torch.allclose(
-            weights.float(), ref_weights.float(), atol=2e-2, rtol=0.05
-        ):
-            return False
-    return True
-
-
 def route_tokens(
     x: torch.Tensor,  # [num_tokens, hidden]
     router: Router,
@@ -172,19 +94,22 @@ def route_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_experts(router(x), spec, expert_scale)``; on a GPU, a decode step's few
     tokens (up to ``MAX_FUSED_ROUTER_TOKENS``) take the router linear and the routing in
-    one kernel (``moe_router_route``, once its start-up check passed), larger steps the
-    router GEMM and the routing kernel."""
+    one kernel (``moe_router_route``) where ``layers/moe_router.py`` found it correct and
+    faster for this shape; other steps the router GEMM and the routing kernel."""
     from vtllm.worker.kernels import moe_routing
+    from vtllm.worker.layers.moe_router import fused_router_tiles
 
+    tiles = None
     if (
         x.is_cuda
         and x.shape[0] <= moe_routing.MAX_FUSED_ROUTER_TOKENS
         and x.dtype == router.weight.dtype
-        and _fused_router_ok(x, router.weight, spec, None)
     ):
+        tiles = fused_router_tiles(x, router.weight, spec, None)
+    if tiles is not None:
         return moe_routing.moe_router_route(
             x, router.weight, spec.top_k, spec.scoring, spec.renormalize, spec.round_weights,
-            expert_scale,
+            expert_scale, tiles,
         )  # fmt: skip
     return select_experts(router(x), spec, expert_scale)
 
@@ -297,36 +222,40 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = route_tokens(x, self.gate, self.router)
         return self.experts(x, topk_weights, topk_ids)
 
-    def can_fold_norm(self, x: torch.Tensor, norm: nn.Module) -> bool:
-        """Whether ``forward_after_norm`` runs fused for these hidden states: a GPU, a
-        decode step's few tokens, a Llama-rounded RMSNorm, the router in x's dtype, and
-        the fused kernel's start-up check passed."""
+    def fold_norm_tiles(self, x: torch.Tensor, norm: nn.Module) -> RouterTiles | None:
+        """The tiles ``forward_after_norm`` runs with for these hidden states, or None
+        where it should not run: not a GPU, more than a decode step's few tokens, a
+        Gemma-rounded norm, a router not in x's dtype, or where ``layers/moe_router.py``
+        found the fused kernel wrong or not faster for this shape."""
         from vtllm.worker.kernels import moe_routing
+        from vtllm.worker.layers.moe_router import fused_router_tiles
 
-        return (
+        if not (
             x.is_cuda
             and x.shape[0] <= moe_routing.MAX_FUSED_ROUTER_TOKENS
             and not getattr(norm, "gemma", True)
             and x.dtype == self.gate.weight.dtype
             and self.gate.weight.shape[0] <= moe_routing.MAX_KERNEL_EXPERTS
-            and _fused_router_ok(x, self.gate.weight, self.router, norm)
-        )
+        ):
+            return None
+        return fused_router_tiles(x, self.gate.weight, self.router, norm)
 
     def forward_after_norm(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]: attention's output
         residual: torch.Tensor,  # [num_tokens, hidden]: the residual stream
         norm: nn.Module,  # the RMSNorm before this block (weight, eps)
+        tiles: RouterTiles,  # from fold_norm_tiles
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward(norm(x, residual))`` and the new residual stream, the norm folded
         into the router's kernel (``moe_norm_router_route``): one launch fewer. Call when
-        ``can_fold_norm``."""
+        ``fold_norm_tiles`` gave tiles."""
         from vtllm.worker.kernels import moe_routing
 
         spec = self.router
         topk_weights, topk_ids, h, residual = moe_routing.moe_norm_router_route(
             x, residual, norm.weight, norm.eps, self.gate.weight, spec.top_k, spec.scoring,
-            spec.renormalize, spec.round_weights,
+            spec.renormalize, spec.round_weights, tiles,
         )  # fmt: skip
         return self.experts(h, topk_weights, topk_ids), residual  # [num_tokens, hidden]
 

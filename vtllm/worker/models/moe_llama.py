@@ -149,14 +149,13 @@ class MoeLlamaDecoderLayer(LlamaDecoderLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``LlamaDecoderLayer.forward``; at decode on a GPU the post-attention norm runs
         inside the MoE router's kernel (``SparseMoeBlock.forward_after_norm``)."""
-        mlp = self.mlp
-        if not isinstance(mlp, SparseMoeBlock) or not mlp.can_fold_norm(
-            x, self.post_attention_layernorm
-        ):
+        mlp, norm = self.mlp, self.post_attention_layernorm
+        tiles = mlp.fold_norm_tiles(x, norm) if isinstance(mlp, SparseMoeBlock) else None
+        if tiles is None:
             return super().forward(x, residual, positions, rotary, kv_cache, metadata)
         h, residual = self.input_layernorm.add_and_norm(x, residual)
         h = self.self_attn(h, positions, rotary, kv_cache, metadata)
-        return mlp.forward_after_norm(h, residual, self.post_attention_layernorm)
+        return mlp.forward_after_norm(h, residual, norm, tiles)
 
 
 class MoeLlamaModel(nn.Module):
