@@ -91,17 +91,22 @@ def route_tokens(
     router: Router,
     spec: RouterSpec,
     expert_scale: torch.Tensor | None = None,  # [num_experts]
+    *,
+    single_rank: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``select_experts(router(x), spec, expert_scale)``; on a GPU, a decode step's few
-    tokens (up to ``MAX_FUSED_ROUTER_TOKENS``) take the router linear and the routing in
-    one kernel (``moe_router_route``) where ``layers/moe_router.py`` found it correct and
-    faster for this shape; other steps the router GEMM and the routing kernel."""
+    """``select_experts(router(x), spec, expert_scale)``; on a GPU with one rank, a decode
+    step's few tokens (up to ``MAX_FUSED_ROUTER_TOKENS``) take the router linear and the
+    routing in one kernel (``moe_router_route``) where ``layers/moe_router.py`` found it
+    correct and faster for this shape; other steps the router GEMM and the routing
+    kernel. Several ranks always take the latter: each rank routes for itself, and a
+    choice timed per rank could differ, and with it a near-tie's expert."""
     from vtllm.worker.kernels import moe_routing
     from vtllm.worker.layers.moe_router import fused_router_tiles
 
     tiles = None
     if (
-        x.is_cuda
+        single_rank
+        and x.is_cuda
         and x.shape[0] <= moe_routing.MAX_FUSED_ROUTER_TOKENS
         and x.dtype == router.weight.dtype
     ):
@@ -219,19 +224,22 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp, activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = route_tokens(x, self.gate, self.router)
+        single_rank = self.experts.tp.size == 1
+        topk_weights, topk_ids = route_tokens(x, self.gate, self.router, single_rank=single_rank)
         return self.experts(x, topk_weights, topk_ids)
 
     def fold_norm_tiles(self, x: torch.Tensor, norm: nn.Module) -> RouterTiles | None:
         """The tiles ``forward_after_norm`` runs with for these hidden states, or None
-        where it should not run: not a GPU, more than a decode step's few tokens, a
+        where it should not run: several ranks (``route_tokens``), not a GPU, more than
+        a decode step's few tokens, a
         Gemma-rounded norm, a router not in x's dtype, or where ``layers/moe_router.py``
         found the fused kernel wrong or not faster for this shape."""
         from vtllm.worker.kernels import moe_routing
         from vtllm.worker.layers.moe_router import fused_router_tiles
 
         if not (
-            x.is_cuda
+            self.experts.tp.size == 1
+            and x.is_cuda
             and x.shape[0] <= moe_routing.MAX_FUSED_ROUTER_TOKENS
             and not getattr(norm, "gemma", True)
             and x.dtype == self.gate.weight.dtype

@@ -200,8 +200,11 @@ class Gemma4MLP(nn.Module):
 class Gemma4Router(nn.Module):
     """Top-k experts and their weights (fp32) from the residual stream (module docstring)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, eps: float) -> None:
+    def __init__(
+        self, hidden_size: int, num_experts: int, top_k: int, eps: float, single_rank: bool
+    ) -> None:
         super().__init__()
+        self.single_rank = single_rank  # route_tokens: the fused router on one rank only
         self.norm = ScalelessRMSNorm(hidden_size, eps)
         self.proj = Router(hidden_size, num_experts)
         self.scale = _scalar_param(hidden_size)
@@ -212,7 +215,9 @@ class Gemma4Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.norm(x) * self.scale * self.root_size  # [num_tokens, hidden]
         # [num_tokens, k] each
-        return route_tokens(h, self.proj, self.spec, expert_scale=self.per_expert_scale)
+        return route_tokens(
+            h, self.proj, self.spec, self.per_expert_scale, single_rank=self.single_rank
+        )
 
 
 class StackedExperts(FusedMoE):
@@ -277,7 +282,9 @@ class Gemma4DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
         self.has_experts = args.num_experts > 0
         if self.has_experts:
-            self.router = Gemma4Router(hidden, args.num_experts, args.top_k_experts, eps)
+            self.router = Gemma4Router(
+                hidden, args.num_experts, args.top_k_experts, eps, single_rank=tp.size == 1
+            )
             self.experts = StackedExperts(
                 args.num_experts, hidden, args.moe_intermediate_size, tp, args.hidden_act
             )
