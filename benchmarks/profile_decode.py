@@ -8,6 +8,10 @@ host side. Prints JSON lines and the top host functions.
     python3 benchmarks/profile_decode.py --model-shape qwen3-0.6b --batch 1 [--eager]
     python3 benchmarks/profile_decode.py --model-shape llama3-8b --batch 256 --prompt-len 768
 
+With graphs, the small-batch linears are timed and picked first (GEMV or the library, the
+fused decode chain), as the worker's start-up does unless ``VT_SMALL_BATCH_GEMV=off``, so
+the profile shows the kernels the engine runs.
+
 ``--kernels`` adds the device side: ``torch.profiler`` over ``--steps`` steps, the kernels
 by total device time with their launches per step (under graphs the profiler sees the
 replayed kernels where the CUDA version reports them; else run it with ``--eager``).
@@ -31,8 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "worker")
 
 from tiny_models import EngineSim  # noqa: E402
 
+from vtllm import envs  # noqa: E402
 from vtllm.bench import write_shape_dir  # noqa: E402
 from vtllm.protocol.messages import SamplingParams, SchedulerOutput  # noqa: E402
+from vtllm.worker.layers.small_batch import tune_small_batch_linears  # noqa: E402
 from vtllm.worker.model_runner import ModelRunner  # noqa: E402
 from vtllm.worker.platform import detect_platform  # noqa: E402
 
@@ -59,6 +65,8 @@ def main() -> None:
     num_blocks = max(1024, args.batch * blocks_a_request + 1)
     runner.init_kv_cache(num_blocks=num_blocks, block_size=16)
     if not args.eager:
+        if envs.VT_SMALL_BATCH_GEMV == "auto":  # what the worker's start-up does first
+            tune_small_batch_linears(runner.model, platform, torch.bfloat16)
         runner.capture_decode_graphs(platform, max(8, args.batch), 4096)
     engine = EngineSim(runner.execute, num_blocks=num_blocks, block_size=16)
     for i in range(args.batch):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from vtllm.worker.kernels.moe_routing import (
     MAX_FUSED_ROUTER_TOKENS,
@@ -312,3 +314,28 @@ def test_gpu_start_up_picks_by_time_and_logs_it(device, caplog):
     lines = [r.getMessage() for r in caplog.records if "fused MoE router" in r.getMessage()]
     assert len(lines) == 1 and "unfused" in lines[0] and "µs" in lines[0]
     assert chosen is None or chosen in moe_router.CANDIDATE_TILES
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rows=st.lists(
+        st.lists(st.sampled_from([-1.0, 0.0, 0.5, 2.0]), min_size=12, max_size=12),
+        min_size=1, max_size=MAX_FUSED_ROUTER_TOKENS,
+    ),
+    top_k=st.integers(1, 12),
+    packed=st.booleans(),
+    scoring=st.sampled_from(["softmax", "sigmoid"]),
+)  # fmt: skip
+def test_fused_top_k_orders_ties_by_id(rows, top_k, packed, scoring, device):
+    """Logits from four values (ties everywhere; the identity as the router): both top-k
+    variants pick the experts a stable descending sort of the scores does, in its order."""
+    logits = torch.tensor(rows, device=device)  # [num_tokens, 12]
+    identity = torch.eye(12, device=device)
+    _, ids = moe_router_route(
+        logits, identity, top_k, scoring, False, tiles=RouterTiles(block_n=4, packed_topk=packed)
+    )
+    scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+    expected = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    assert ids.long().cpu().tolist() == expected.cpu().tolist()
