@@ -13,6 +13,13 @@ Two workloads per model shape (bf16, block size 16, blocks in random order):
 
 Without ``--sweep`` only the launcher's default tiles run. Prints one JSON line a
 (workload, configuration); the default configuration carries ``"default": true``.
+
+``--splits`` times decodes instead over KV split counts (1 to 32), each split count with
+the reduce kernel and with the splits merged inside the attention kernel
+(``fused_reduce``), in device graphs of 20 calls (no launch cost, as in a decode graph),
+beside the split count the launcher picks on its own:
+
+    python3 benchmarks/attention_kernel.py --splits --decode 1x160 1x1024 1x8192 8x1024
 """
 
 from __future__ import annotations
@@ -154,6 +161,36 @@ def bench_decode(shape: str, hf: dict, batch: int, context: int, sweep: bool) ->
     _report({**common, "searched": True}, default, False, searched, kv_bytes=kv_bytes)
 
 
+def bench_splits(shape: str, hf: dict, batch: int, context: int) -> None:
+    """JSON lines: µs a decode call (device graphs) at each split count, with the reduce
+    kernel and with ``fused_reduce``."""
+    from vtllm.worker.kernels.paged_attention import choose_num_kv_splits
+
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    q, k_cache, v_cache, loc, lens, table = _paged(
+        [context] * batch, [1] * batch, heads, kv_heads, head_dim
+    )
+    out = torch.empty_like(q)
+    platform = detect_platform(0)
+    picked = choose_num_kv_splits(batch, batch, kv_heads, context)
+    for splits, fused in itertools.product((1, 2, 4, 8, 16, 32), (False, True)):
+        if splits == 1 and fused:
+            continue
+
+        def run(i, splits=splits, fused=fused):
+            paged_attention(q, k_cache, v_cache, loc, lens, table, head_dim**-0.5,
+                            num_kv_splits=splits, out=out, fused_reduce=fused)  # fmt: skip
+
+        row = {"kind": "decode-splits", "model": shape, "batch": batch, "context": context,
+               "splits": splits, "fused_reduce": fused, "launcher_picks": picked}  # fmt: skip
+        try:
+            row["us"] = round(platform.graph_us(run), 2)
+        except Exception as e:  # noqa: BLE001 - report, go on
+            row["error"] = f"{type(e).__name__}: {str(e)[:150]}"
+        print(json.dumps(row), flush=True)
+
+
 def _report(common: dict, tiles: AttentionTiles, is_default: bool, run, **work) -> None:
     config = f"{tiles.block_m}x{tiles.tile_n} w{tiles.num_warps} s{tiles.num_stages}"
     row = {**common, "config": config, "default": is_default}
@@ -177,10 +214,16 @@ def main() -> None:
     parser.add_argument("--decode", nargs="+", default=["256x1024", "64x4096", "1x8192"],
                         help="BATCHxCONTEXT decode workloads")  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="every launch configuration")
+    parser.add_argument("--splits", action="store_true", help="decodes over KV split counts")
     args = parser.parse_args()
     detect_platform(0).set_device()
     for shape in args.shapes:
         hf = MODEL_SHAPES[shape]
+        if args.splits:
+            for workload in args.decode:
+                batch, context = (int(x) for x in workload.split("x"))
+                bench_splits(shape, hf, batch, context)
+            continue
         bench_prefill(shape, hf, args.prefill_len, args.sweep)
         for workload in args.decode:
             batch, context = (int(x) for x in workload.split("x"))

@@ -28,6 +28,8 @@
 #                 matmul of the model's widest linear at 8,000 rows in the same run; in one
 #                 step (--long-prefill-token-threshold 0), then in the default's 512-token chunks
 #   attn          benchmarks/attention_kernel.py, the default tiles only (both shapes)
+#   attn-splits   benchmarks/attention_kernel.py --splits: batch-1/8 decodes at 160 to 8192
+#                 keys over KV split counts, reduce kernel vs fused_reduce (device graphs)
 #   attn-sweep    benchmarks/attention_kernel.py: the paged-attention kernel's launch
 #                 configurations on the Llama-3-8B shape (8k prefill vs torch SDPA, decodes)
 #   tput-SHAPE    `vtllm bench throughput` alone (256 prompts [100, 1024]), default flags
@@ -139,6 +141,10 @@ for phase in "$@"; do
     attn)
       timeout 90 python3 benchmarks/attention_kernel.py >> "$OUT/attention.jsonl" 2>> "$OUT/attention.log"
       grep -E '"default": true|sdpa' "$OUT/attention.jsonl" ;;
+    attn-splits)
+      timeout 240 python3 benchmarks/attention_kernel.py --splits --shapes qwen3-0.6b qwen3-30b-a3b \
+        --decode 1x160 1x1024 1x8192 8x1024 >> "$OUT/attn_splits.jsonl" 2>> "$OUT/attn_splits.log"
+      cut -c1-200 "$OUT/attn_splits.jsonl"; tail -3 "$OUT/attn_splits.log" ;;
     attn-sweep)
       timeout 240 python3 benchmarks/attention_kernel.py --sweep --shapes llama3-8b \
         >> "$OUT/attention.jsonl" 2>> "$OUT/attention.log"

@@ -137,6 +137,28 @@ def test_split_kv_matches_reference_on_decodes(num_kv_splits, window, device, ge
     assert_close(actual, expected, f"{num_kv_splits} splits")
 
 
+@pytest.mark.parametrize("num_kv_splits", [2, 8])
+@pytest.mark.parametrize("window", [None, 20])
+def test_fused_reduce_matches_the_reduce_kernel(num_kv_splits, window, device, generator):
+    """The last split to finish merges its block's splits (``fused_reduce``): the
+    reference's output, the reduce kernel's within rounding, empty and uneven splits
+    included; launches in a row (as graph replays are) each merge their own."""
+    from vtllm.worker.kernels import paged_attention as module
+
+    for _ in range(2):
+        batch = make_paged_batch(
+            [1, 1, 1], [299, 3, 77], 4, 2, 80, 16, torch.float32, device, generator
+        )
+        expected = _attend(batch, paged_attention_ref, 0.1, window)
+        fused = _attend(
+            batch, paged_attention, 0.1, window, num_kv_splits=num_kv_splits, fused_reduce=True
+        )
+        two_kernels = _attend(batch, paged_attention, 0.1, window, num_kv_splits=num_kv_splits)
+        assert_close(fused, expected, f"{num_kv_splits} splits, fused reduce")
+        torch.testing.assert_close(fused, two_kernels, atol=1e-5, rtol=1e-5)
+        assert int(module._ARRIVALS[torch.device(device)][:8].abs().sum()) == 0  # reset
+
+
 def test_split_kv_also_handles_prefill_chunks(device, generator):
     batch = make_paged_batch([1, 19, 2], [50, 30, 0], 4, 2, 64, 8, torch.float16, device, generator)
     expected = _attend(batch, paged_attention_ref, 0.125, None)

@@ -33,7 +33,10 @@ Split-KV (flash-decoding): with ``num_kv_splits > 1`` each (query block, KV head
 that many programs, each over a contiguous share of the key tiles; they write
 unnormalised partial outputs with their running max and sum, and
 ``_paged_attention_reduce_kernel`` merges them. It pays off when a few long decodes
-would otherwise leave most of the GPU idle.
+would otherwise leave most of the GPU idle. With ``fused_reduce`` (decode-only launches;
+opt-in until measured) the splits of a (sequence, KV head) count themselves in on a
+device counter after storing their partials, and the last one merges them
+(``_merge_splits``): one launch, so that short contexts might split too.
 
 FP8 caches (``worker/kv_cache_dtype.py``) hold ``K / k_scale`` and ``V / v_scale`` in
 e4m3. Dequantising is linear, so the kernel never multiplies a tile: it converts fp8 to
@@ -59,6 +62,9 @@ _SPLIT_TARGET_PROGRAMS = 256
 # Each split must keep at least this many keys, or the reduce costs more than it saves.
 _MIN_KEYS_PER_SPLIT = 512
 _MAX_KV_SPLITS = 32
+# fused_reduce: counters for up to this many (sequence, KV head) groups a launch
+_ARRIVALS_SIZE = 1 << 16
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -146,6 +152,7 @@ def _paged_attention_kernel(
     partial_out_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS, HEAD_DIM_PAD] fp32
     partial_max_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS] fp32, log2 domain
     partial_sum_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS] fp32
+    arrivals_ptr,  # [>= num_q_blocks * num_kv_heads] i32 zeros; FUSED_REDUCE only
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -178,6 +185,7 @@ def _paged_attention_kernel(
     NUM_KV_SPLITS: tl.constexpr,
     KV_FP8: tl.constexpr,  # the caches hold e4m3 values of K / k_scale, V / v_scale
     ONE_QUERY_A_SEQ: tl.constexpr,  # every sequence has one query token: block i is seq i
+    FUSED_REDUCE: tl.constexpr,  # splits: the last of a block's splits merges them
 ):
     q_block_id = tl.program_id(0)
     kv_head_id = tl.program_id(1)
@@ -291,6 +299,58 @@ def _paged_attention_kernel(
         )
         tl.store(partial_max_ptr + partial_id, m_i, mask=row_valid)
         tl.store(partial_sum_ptr + partial_id, l_i, mask=row_valid)
+        if FUSED_REDUCE:
+            tl.debug_barrier()  # every thread's partials stored before the release below
+            counter = arrivals_ptr + q_block_id * tl.num_programs(1) + kv_head_id
+            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_KV_SPLITS - 1:
+                _merge_splits(
+                    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+                    partial_id - split_id, token_id, head_id, row_valid,
+                    stride_o_token, stride_o_head, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M,
+                    NUM_KV_SPLITS,
+                )  # fmt: skip
+                tl.atomic_xchg(counter, 0)  # ready for the next launch (and graph replay)
+
+
+@triton.jit
+def _merge_splits(
+    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    first_partial,  # [BLOCK_M] i64: each row's split 0
+    token_id, head_id, row_valid, stride_o_token, stride_o_head,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """``_paged_attention_reduce_kernel`` for one program's rows, run by the last of
+    their splits to finish (volatile loads: the other splits' partials, just stored)."""
+    offs_s = tl.arange(0, NUM_KV_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    ids = first_partial[:, None] + offs_s[None, :]  # [BLOCK_M, NUM_KV_SPLITS]
+    split_max = tl.load(partial_max_ptr + ids, mask=row_valid[:, None], other=float("-inf"),
+                        volatile=True)  # fmt: skip
+    split_sum = tl.load(partial_sum_ptr + ids, mask=row_valid[:, None], other=0.0,
+                        volatile=True)  # fmt: skip
+    global_max = tl.max(split_max, 1)  # [BLOCK_M]
+    global_max = tl.where(global_max == float("-inf"), 0.0, global_max)
+    weight = tl.math.exp2(split_max - global_max[:, None])  # empty splits get 0
+    denominator = tl.sum(split_sum * weight, 1)  # [BLOCK_M]
+    numerator = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    for s in tl.static_range(NUM_KV_SPLITS):
+        split_weight = tl.math.exp2(
+            tl.load(partial_max_ptr + first_partial + s, mask=row_valid, other=0.0,
+                    volatile=True) - global_max
+        )  # [BLOCK_M]  # fmt: skip
+        split_out = tl.load(
+            partial_out_ptr + (first_partial + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+            mask=row_valid[:, None], other=0.0, volatile=True,
+        )  # [BLOCK_M, HEAD_DIM_PAD]  # fmt: skip
+        numerator += split_out * split_weight[:, None]
+    out = numerator / tl.where(denominator == 0.0, 1.0, denominator)[:, None]
+    tl.store(
+        out_ptr + token_id[:, None] * stride_o_token + head_id[:, None] * stride_o_head
+        + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )  # fmt: skip
 
 
 @triton.jit
@@ -409,6 +469,7 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,  # [] fp32, FP8 caches only
     tiles: AttentionTiles | None = None,
     search_sequences: bool = False,
+    fused_reduce: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged keys and values.
 
@@ -426,8 +487,12 @@ def paged_attention(
     ignore them. ``tiles`` overrides the launch configuration (``choose_tiles``; for
     sweeps). A batch of as many tokens as sequences (every sequence one token: sequences
     never have zero) gives each sequence one program directly; ``search_sequences`` makes
-    it number query blocks as mixed steps do (for benchmarks and tests). Returns ``out``
-    ``[num_tokens, num_heads, head_dim]`` in q's dtype.
+    it number query blocks as mixed steps do (for benchmarks and tests). ``fused_reduce``
+    (decode-only split launches; not yet the default: to be measured, ``attention_kernel.py
+    --fused-reduce``) merges the splits in the attention kernel itself: the last of a
+    block's splits to finish, counted on a device counter, does what the reduce kernel
+    would, one launch instead of two. Returns ``out`` ``[num_tokens, num_heads, head_dim]``
+    in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -472,11 +537,18 @@ def paged_attention(
         partial_sum = torch.empty_like(partial_max)
     else:
         partial_out = partial_max = partial_sum = out  # unused by the kernel
+    fused_reduce = (
+        fused_reduce
+        and num_kv_splits > 1
+        and one_query_a_seq
+        and num_q_blocks * num_kv_heads <= _ARRIVALS_SIZE
+    )
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_kv_splits)](
         out,
         partial_out,
         partial_max,
         partial_sum,
+        _arrivals(q.device) if fused_reduce else seq_lens,  # unread without FUSED_REDUCE
         q,
         k_cache,
         v_cache,
@@ -509,10 +581,11 @@ def paged_attention(
         NUM_KV_SPLITS=num_kv_splits,
         KV_FP8=kv_fp8,
         ONE_QUERY_A_SEQ=one_query_a_seq,
+        FUSED_REDUCE=fused_reduce,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    if num_kv_splits > 1:
+    if num_kv_splits > 1 and not fused_reduce:
         _paged_attention_reduce_kernel[(num_tokens, num_heads)](
             out,
             partial_out,
@@ -528,6 +601,15 @@ def paged_attention(
             num_warps=4,
         )
     return out
+
+
+def _arrivals(device: torch.device) -> torch.Tensor:
+    """The zeroed int32 counters of ``fused_reduce`` launches on ``device`` (one per
+    (sequence, KV head) program group; each launch's last split resets its own)."""
+    counters = _ARRIVALS.get(device)
+    if counters is None:  # first use: before graph capture (warm-up runs eagerly)
+        counters = _ARRIVALS[device] = torch.zeros(_ARRIVALS_SIZE, dtype=torch.int32, device=device)
+    return counters
 
 
 def _check_scales(
