@@ -124,14 +124,14 @@ def test_fused_router_matches_linear_then_reference(
 def test_fused_router_leaves_its_counter_at_zero_for_the_next_launch(device, generator):
     """Each launch's last program resets the arrivals counter: launches in a row (as graph
     replays are) each route their own tokens."""
-    from vtllm.worker.kernels import moe_routing
+    from vtllm.worker.kernels._triton import arrival_counters
 
     gate = torch.randn(32, 64, generator=generator).to(device)
     for _ in range(3):
         x = torch.randn(2, 64, generator=generator).to(device)
         _, ids = moe_router_route(x, gate, 4, tiles=RouterTiles(block_n=4))
         assert torch.equal(ids.long().cpu(), _router_ref(x, gate, 4)[1].cpu())
-        assert moe_routing._ARRIVALS[torch.device(device)].item() == 0
+        assert arrival_counters(torch.device(device), 1).item() == 0
 
 
 def test_packed_top_k_picks_the_lowest_id_on_ties(device):

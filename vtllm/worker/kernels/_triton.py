@@ -74,4 +74,24 @@ def max_shared_memory(device: Any) -> int:
     return _device_property(device, "max_shared_mem") if device.type == "cuda" else 1 << 40
 
 
-__all__ = ["HAVE_TRITON", "max_shared_memory", "num_sms", "tl", "triton"]
+_ARRIVAL_COUNTERS: dict[tuple[Any, int], Any] = {}
+
+
+def arrival_counters(device: Any, count: int) -> Any:
+    """``count`` zeroed int32 counters on ``device`` for kernels whose programs count
+    themselves in (``tl.atomic_add``) so that the last to arrive finishes the work; that
+    program resets its counter, so they are zero again between launches and graph
+    replays. One buffer per (device, count), made on first use: before any graph capture
+    (warm-up runs eagerly)."""
+    import torch
+
+    counters = _ARRIVAL_COUNTERS.get((device, count))
+    if counters is None:
+        counters = torch.zeros(count, dtype=torch.int32, device=device)
+        _ARRIVAL_COUNTERS[(device, count)] = counters
+    return counters
+
+
+__all__ = [
+    "HAVE_TRITON", "arrival_counters", "max_shared_memory", "num_sms", "tl", "triton",
+]  # fmt: skip

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vtllm.worker.kernels._triton import tl, triton
+from vtllm.worker.kernels._triton import arrival_counters, tl, triton
 
 SCORINGS = {"softmax": 0, "sigmoid": 1}
 # the widest router the kernel takes (one program holds a row of scores in registers)
@@ -288,7 +288,6 @@ def moe_route(
 
 # decode batches up to this many tokens score and route in one launch
 MAX_FUSED_ROUTER_TOKENS = 8
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}  # per device: the fused kernel's counter
 
 
 @dataclass(frozen=True)
@@ -301,14 +300,6 @@ class RouterTiles:
     block_k: int = 1024
     num_warps: int = 4
     packed_topk: bool = False  # one reduction a pick (``_route_row``)
-
-
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """The zeroed int32 counter the fused router's programs count themselves in with."""
-    counter = _ARRIVALS.get(device)
-    if counter is None:  # first use: before graph capture (warm-up runs eagerly)
-        counter = _ARRIVALS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
 
 
 def _check_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, scoring: str) -> None:
@@ -355,7 +346,7 @@ def _launch_router(
     scale = expert_scale.contiguous() if expert_scale is not None else weights
     block_t = triton.next_power_of_2(num_tokens)
     _moe_router_route_kernel[(triton.cdiv(num_experts, tiles.block_n),)](
-        x, gate_weight, logits, weights, ids, scale, _arrivals(x.device),
+        x, gate_weight, logits, weights, ids, scale, arrival_counters(x.device, 1),
         x if residual is None else residual,
         x if norm_weight is None else norm_weight,
         x if normed is None else normed,

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vtllm.worker.kernels._triton import max_shared_memory, tl, triton
+from vtllm.worker.kernels._triton import arrival_counters, max_shared_memory, tl, triton
 from vtllm.worker.kv_cache_dtype import dequantize_fp8_ref, is_fp8
 
 # A decode-only batch with fewer (sequence, KV head) programs than this is split over
@@ -64,7 +64,6 @@ _MIN_KEYS_PER_SPLIT = 512
 _MAX_KV_SPLITS = 32
 # fused_reduce: counters for up to this many (sequence, KV head) groups a launch
 _ARRIVALS_SIZE = 1 << 16
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -489,7 +488,7 @@ def paged_attention(
     never have zero) gives each sequence one program directly; ``search_sequences`` makes
     it number query blocks as mixed steps do (for benchmarks and tests). ``fused_reduce``
     (decode-only split launches; not yet the default: to be measured, ``attention_kernel.py
-    --fused-reduce``) merges the splits in the attention kernel itself: the last of a
+    --splits``) merges the splits in the attention kernel itself: the last of a
     block's splits to finish, counted on a device counter, does what the reduce kernel
     would, one launch instead of two. Returns ``out`` ``[num_tokens, num_heads, head_dim]``
     in q's dtype.
@@ -548,7 +547,9 @@ def paged_attention(
         partial_out,
         partial_max,
         partial_sum,
-        _arrivals(q.device) if fused_reduce else seq_lens,  # unread without FUSED_REDUCE
+        arrival_counters(q.device, _ARRIVALS_SIZE)
+        if fused_reduce
+        else seq_lens,  # unread without FUSED_REDUCE
         q,
         k_cache,
         v_cache,
@@ -601,15 +602,6 @@ def paged_attention(
             num_warps=4,
         )
     return out
-
-
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """The zeroed int32 counters of ``fused_reduce`` launches on ``device`` (one per
-    (sequence, KV head) program group; each launch's last split resets its own)."""
-    counters = _ARRIVALS.get(device)
-    if counters is None:  # first use: before graph capture (warm-up runs eagerly)
-        counters = _ARRIVALS[device] = torch.zeros(_ARRIVALS_SIZE, dtype=torch.int32, device=device)
-    return counters
 
 
 def _check_scales(

@@ -103,14 +103,7 @@ def route_tokens(
     from vtllm.worker.kernels import moe_routing
     from vtllm.worker.layers.moe_router import fused_router_tiles
 
-    tiles = None
-    if (
-        single_rank
-        and x.is_cuda
-        and x.shape[0] <= moe_routing.MAX_FUSED_ROUTER_TOKENS
-        and x.dtype == router.weight.dtype
-    ):
-        tiles = fused_router_tiles(x, router.weight, spec, None)
+    tiles = fused_router_tiles(x, router.weight, spec, None) if single_rank else None
     if tiles is not None:
         return moe_routing.moe_router_route(
             x, router.weight, spec.top_k, spec.scoring, spec.renormalize, spec.round_weights,
@@ -230,21 +223,12 @@ class SparseMoeBlock(nn.Module):
 
     def fold_norm_tiles(self, x: torch.Tensor, norm: nn.Module) -> RouterTiles | None:
         """The tiles ``forward_after_norm`` runs with for these hidden states, or None
-        where it should not run: several ranks (``route_tokens``), not a GPU, more than
-        a decode step's few tokens, a
-        Gemma-rounded norm, a router not in x's dtype, or where ``layers/moe_router.py``
-        found the fused kernel wrong or not faster for this shape."""
-        from vtllm.worker.kernels import moe_routing
+        where it should not run: several ranks (``route_tokens``), a Gemma-rounded norm,
+        or where ``layers/moe_router.py`` does not run the fused router (its
+        ``fused_router_tiles``)."""
         from vtllm.worker.layers.moe_router import fused_router_tiles
 
-        if not (
-            self.experts.tp.size == 1
-            and x.is_cuda
-            and x.shape[0] <= moe_routing.MAX_FUSED_ROUTER_TOKENS
-            and not getattr(norm, "gemma", True)
-            and x.dtype == self.gate.weight.dtype
-            and self.gate.weight.shape[0] <= moe_routing.MAX_KERNEL_EXPERTS
-        ):
+        if self.experts.tp.size != 1 or getattr(norm, "gemma", True):
             return None
         return fused_router_tiles(x, self.gate.weight, self.router, norm)
 

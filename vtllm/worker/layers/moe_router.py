@@ -49,9 +49,19 @@ def fused_router_tiles(
     norm: nn.Module | None,  # the RMSNorm folded in (weight, eps), or None
 ) -> RouterTiles | None:
     """The tiles to run the fused router with for this layer shape, or None for the
-    unfused kernels (module docstring). Decided and logged on the first call."""
+    unfused kernels: off a GPU, past ``MAX_FUSED_ROUTER_TOKENS`` tokens or
+    ``MAX_KERNEL_EXPERTS`` experts, a router not in x's dtype, or where the start-up
+    decision (module docstring) went against it. Decided and logged on the first call."""
+    from vtllm.worker.kernels import moe_routing
     from vtllm.worker.platform import platform_of
 
+    if not (
+        x.is_cuda
+        and x.shape[0] <= moe_routing.MAX_FUSED_ROUTER_TOKENS
+        and x.dtype == router_weight.dtype
+        and router_weight.shape[0] <= moe_routing.MAX_KERNEL_EXPERTS
+    ):
+        return None
     key = (x.device, x.dtype, tuple(router_weight.shape), spec, norm is not None)
     if key in _CHOSEN:
         return _CHOSEN[key]
