@@ -164,7 +164,7 @@ def bench_decode(shape: str, hf: dict, batch: int, context: int, sweep: bool) ->
 def bench_splits(shape: str, hf: dict, batch: int, context: int) -> None:
     """JSON lines: µs a decode call (device graphs) at each split count, with the reduce
     kernel and with ``fused_reduce``."""
-    from vtllm.worker.kernels.paged_attention import choose_num_kv_splits
+    from vtllm.worker.kernels.kv_splits import choose_num_kv_splits
 
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads

@@ -228,7 +228,7 @@ class ModelRunner:
         blocks_per_seq = -(-max_model_len // self.block_size)
 
         def split_rule(size: int, max_seq_len: int) -> int:
-            from vtllm.worker.kernels.paged_attention import choose_num_kv_splits
+            from vtllm.worker.kernels.kv_splits import choose_num_kv_splits
 
             return choose_num_kv_splits(size, size, num_kv_heads, max_seq_len)
 

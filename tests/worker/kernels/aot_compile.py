@@ -30,6 +30,7 @@ from vtllm.worker.kernels import (
     fused_moe,
     fused_moe_decode,
     gemv,
+    kv_splits,
     moe_align,
     moe_routing,
     paged_attention,
@@ -158,8 +159,8 @@ VARIANTS = [
         | dict(ONE_QUERY_A_SEQ=True, FUSED_REDUCE=True),
     ),
     Variant(
-        "paged_attention_reduce/fp16-d80",
-        paged_attention._paged_attention_reduce_kernel,
+        "kv_splits_reduce/fp16-d80",
+        kv_splits._reduce_splits_kernel,
         "fp16",
         dict(HEAD_DIM=80, HEAD_DIM_PAD=128, NUM_KV_SPLITS=8),
     ),

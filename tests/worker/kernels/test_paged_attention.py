@@ -7,9 +7,9 @@ import torch
 
 from vtllm.worker import attention as torch_attention
 from vtllm.worker.kernels._triton import arrival_counters
+from vtllm.worker.kernels.kv_splits import ARRIVALS_SIZE, choose_num_kv_splits
 from vtllm.worker.kernels.paged_attention import (
     AttentionTiles,
-    choose_num_kv_splits,
     choose_tiles,
     paged_attention,
     paged_attention_ref,
@@ -144,8 +144,6 @@ def test_fused_reduce_matches_the_reduce_kernel(num_kv_splits, window, device, g
     """The last split to finish merges its block's splits (``fused_reduce``): the
     reference's output, the reduce kernel's within rounding, empty and uneven splits
     included; launches in a row (as graph replays are) each merge their own."""
-    from vtllm.worker.kernels import paged_attention as module
-
     for _ in range(2):
         batch = make_paged_batch(
             [1, 1, 1], [299, 3, 77], 4, 2, 80, 16, torch.float32, device, generator
@@ -157,7 +155,7 @@ def test_fused_reduce_matches_the_reduce_kernel(num_kv_splits, window, device, g
         two_kernels = _attend(batch, paged_attention, 0.1, window, num_kv_splits=num_kv_splits)
         assert_close(fused, expected, f"{num_kv_splits} splits, fused reduce")
         torch.testing.assert_close(fused, two_kernels, atol=1e-5, rtol=1e-5)
-        counters = arrival_counters(torch.device(device), module._ARRIVALS_SIZE)
+        counters = arrival_counters(torch.device(device), ARRIVALS_SIZE)
         assert int(counters[:8].abs().sum()) == 0  # reset
 
 

@@ -32,11 +32,11 @@ every batch; each program finds its sequence by binary search and surplus ones e
 Split-KV (flash-decoding): with ``num_kv_splits > 1`` each (query block, KV head) gets
 that many programs, each over a contiguous share of the key tiles; they write
 unnormalised partial outputs with their running max and sum, and
-``_paged_attention_reduce_kernel`` merges them. It pays off when a few long decodes
-would otherwise leave most of the GPU idle. With ``fused_reduce`` (decode-only launches;
-opt-in until measured) the splits of a (sequence, KV head) count themselves in on a
-device counter after storing their partials, and the last one merges them
-(``_merge_splits``): one launch, so that short contexts might split too.
+``kv_splits.py`` merges them (its docstring has the math). It pays off when a few long
+decodes would otherwise leave most of the GPU idle. With ``fused_reduce`` (decode-only
+launches; opt-in until measured) the splits of a (sequence, KV head) count themselves in on
+a device counter after storing their partials, and the last one merges them
+(``kv_splits.merge_splits``): one launch, so that short contexts might split too.
 
 FP8 caches (``worker/kv_cache_dtype.py``) hold ``K / k_scale`` and ``V / v_scale`` in
 e4m3. Dequantising is linear, so the kernel never multiplies a tile: it converts fp8 to
@@ -54,16 +54,14 @@ from dataclasses import dataclass
 import torch
 
 from vtllm.worker.kernels._triton import arrival_counters, max_shared_memory, tl, triton
+from vtllm.worker.kernels.kv_splits import (
+    ARRIVALS_SIZE,
+    choose_num_kv_splits,
+    merge_splits,
+    reduce_splits,
+    split_partials,
+)
 from vtllm.worker.kv_cache_dtype import dequantize_fp8_ref, is_fp8
-
-# A decode-only batch with fewer (sequence, KV head) programs than this is split over
-# the keys; roughly two waves on a 132-SM H100/H200 (MI300X has 304 CUs).
-_SPLIT_TARGET_PROGRAMS = 256
-# Each split must keep at least this many keys, or the reduce costs more than it saves.
-_MIN_KEYS_PER_SPLIT = 512
-_MAX_KV_SPLITS = 32
-# fused_reduce: counters for up to this many (sequence, KV head) groups a launch
-_ARRIVALS_SIZE = 1 << 16
 
 
 @triton.jit
@@ -302,93 +300,13 @@ def _paged_attention_kernel(
             tl.debug_barrier()  # every thread's partials stored before the release below
             counter = arrivals_ptr + q_block_id * tl.num_programs(1) + kv_head_id
             if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_KV_SPLITS - 1:
-                _merge_splits(
+                merge_splits(
                     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
                     partial_id - split_id, token_id, head_id, row_valid,
                     stride_o_token, stride_o_head, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M,
                     NUM_KV_SPLITS,
                 )  # fmt: skip
                 tl.atomic_xchg(counter, 0)  # ready for the next launch (and graph replay)
-
-
-@triton.jit
-def _merge_splits(
-    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-    first_partial,  # [BLOCK_M] i64: each row's split 0
-    token_id, head_id, row_valid, stride_o_token, stride_o_head,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    NUM_KV_SPLITS: tl.constexpr,
-):  # fmt: skip
-    """``_paged_attention_reduce_kernel`` for one program's rows, run by the last of
-    their splits to finish (volatile loads: the other splits' partials, just stored)."""
-    offs_s = tl.arange(0, NUM_KV_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    ids = first_partial[:, None] + offs_s[None, :]  # [BLOCK_M, NUM_KV_SPLITS]
-    split_max = tl.load(partial_max_ptr + ids, mask=row_valid[:, None], other=float("-inf"),
-                        volatile=True)  # fmt: skip
-    split_sum = tl.load(partial_sum_ptr + ids, mask=row_valid[:, None], other=0.0,
-                        volatile=True)  # fmt: skip
-    global_max = tl.max(split_max, 1)  # [BLOCK_M]
-    global_max = tl.where(global_max == float("-inf"), 0.0, global_max)
-    weight = tl.math.exp2(split_max - global_max[:, None])  # empty splits get 0
-    denominator = tl.sum(split_sum * weight, 1)  # [BLOCK_M]
-    numerator = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    for s in tl.static_range(NUM_KV_SPLITS):
-        split_weight = tl.math.exp2(
-            tl.load(partial_max_ptr + first_partial + s, mask=row_valid, other=0.0,
-                    volatile=True) - global_max
-        )  # [BLOCK_M]  # fmt: skip
-        split_out = tl.load(
-            partial_out_ptr + (first_partial + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-            mask=row_valid[:, None], other=0.0, volatile=True,
-        )  # [BLOCK_M, HEAD_DIM_PAD]  # fmt: skip
-        numerator += split_out * split_weight[:, None]
-    out = numerator / tl.where(denominator == 0.0, 1.0, denominator)[:, None]
-    tl.store(
-        out_ptr + token_id[:, None] * stride_o_token + head_id[:, None] * stride_o_head
-        + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :],
-    )  # fmt: skip
-
-
-@triton.jit
-def _paged_attention_reduce_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_dim]
-    partial_out_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS, HEAD_DIM_PAD] fp32
-    partial_max_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS] fp32, log2 domain
-    partial_sum_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS] fp32
-    query_start_loc_ptr,  # [num_seqs + 1]
-    num_seqs,
-    stride_o_token,
-    stride_o_head,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    NUM_KV_SPLITS: tl.constexpr,
-):
-    token_id = tl.program_id(0)
-    head_id = tl.program_id(1)
-    if token_id >= tl.load(query_start_loc_ptr + num_seqs):
-        return  # a padding row: no partials were written for it
-    offs_s = tl.arange(0, NUM_KV_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    first = (token_id.to(tl.int64) * tl.num_programs(1) + head_id) * NUM_KV_SPLITS
-    split_max = tl.load(partial_max_ptr + first + offs_s)  # [NUM_KV_SPLITS]
-    split_sum = tl.load(partial_sum_ptr + first + offs_s)  # [NUM_KV_SPLITS]
-    global_max = tl.max(split_max, 0)
-    global_max = tl.where(global_max == float("-inf"), 0.0, global_max)
-    weight = tl.math.exp2(split_max - global_max)  # [NUM_KV_SPLITS]; empty splits get 0
-    split_out = tl.load(
-        partial_out_ptr + (first + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :]
-    )  # [NUM_KV_SPLITS, HEAD_DIM_PAD]
-    numerator = tl.sum(split_out * weight[:, None], 0)  # [HEAD_DIM_PAD]
-    denominator = tl.sum(split_sum * weight, 0)
-    out = numerator / tl.where(denominator == 0.0, 1.0, denominator)
-    tl.store(
-        out_ptr + token_id * stride_o_token + head_id * stride_o_head + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
 
 
 @dataclass(frozen=True)
@@ -428,27 +346,6 @@ def choose_tiles(
         return AttentionTiles(block_m, 128, 4, 2)
     tile_n = 64 if decode_only and head_dim_pad <= 128 else 32
     return AttentionTiles(block_m, tile_n, 4 if head_dim_pad <= 128 else 8, 2)
-
-
-def choose_num_kv_splits(
-    num_tokens: int, num_seqs: int, num_kv_heads: int, max_seq_len: int | None
-) -> int:
-    """How many KV splits the launcher uses when not told: 1 unless decode-only and long.
-
-    Split only when every sequence decodes one token, the (sequence, KV head) programs
-    would not fill the GPU, and the longest sequence gives each split at least
-    ``_MIN_KEYS_PER_SPLIT`` keys. Without ``max_seq_len`` (unknown without a sync) never
-    split. Returns a power of two.
-    """
-    if max_seq_len is None or num_tokens != num_seqs:
-        return 1
-    num_programs = num_seqs * num_kv_heads
-    if num_programs >= _SPLIT_TARGET_PROGRAMS:
-        return 1
-    wanted = triton.next_power_of_2(-(-_SPLIT_TARGET_PROGRAMS // num_programs))
-    affordable = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
-    affordable = 1 << (affordable.bit_length() - 1)  # round down to a power of two
-    return min(wanted, affordable, _MAX_KV_SPLITS)
 
 
 def paged_attention(
@@ -527,27 +424,19 @@ def paged_attention(
     one_query_a_seq = num_tokens == num_seqs and not search_sequences
     num_q_blocks = num_seqs if one_query_a_seq else num_tokens // block_q + num_seqs
     if num_kv_splits > 1:
-        partial_out = torch.empty(
-            num_tokens, num_heads, num_kv_splits, head_dim_pad, dtype=torch.float32, device=q.device
-        )
-        partial_max = torch.empty(
-            num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=q.device
-        )
-        partial_sum = torch.empty_like(partial_max)
+        partials = split_partials(num_tokens, num_heads, num_kv_splits, head_dim_pad, q.device)
     else:
-        partial_out = partial_max = partial_sum = out  # unused by the kernel
+        partials = (out, out, out)  # unused by the kernel
     fused_reduce = (
         fused_reduce
         and num_kv_splits > 1
         and one_query_a_seq
-        and num_q_blocks * num_kv_heads <= _ARRIVALS_SIZE
+        and num_q_blocks * num_kv_heads <= ARRIVALS_SIZE
     )
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_kv_splits)](
         out,
-        partial_out,
-        partial_max,
-        partial_sum,
-        arrival_counters(q.device, _ARRIVALS_SIZE)
+        *partials,
+        arrival_counters(q.device, ARRIVALS_SIZE)
         if fused_reduce
         else seq_lens,  # unread without FUSED_REDUCE
         q,
@@ -587,20 +476,7 @@ def paged_attention(
         num_stages=tiles.num_stages,
     )
     if num_kv_splits > 1 and not fused_reduce:
-        _paged_attention_reduce_kernel[(num_tokens, num_heads)](
-            out,
-            partial_out,
-            partial_max,
-            partial_sum,
-            query_start_loc,
-            num_seqs,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            NUM_KV_SPLITS=num_kv_splits,
-            num_warps=4,
-        )
+        reduce_splits(out, partials, query_start_loc, num_seqs, head_dim_pad)
     return out
 
 
