@@ -10,10 +10,8 @@ not hidden.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-import pkgutil
 import subprocess
 import sys
 import warnings
@@ -21,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-import vtllm.worker.kernels
-
 from . import aot_compile
+from .kernel_inventory import kernel_functions
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 REQUIRED_STAGES = {
@@ -75,23 +72,12 @@ def reports(tmp_path_factory) -> dict[str, dict]:
     return reports
 
 
-def _kernel_names() -> set[str]:
-    """Every ``_*_kernel`` of every module in ``vtllm.worker.kernels`` (a new module's
-    kernels included: none may ship without an AOT variant)."""
-    package = vtllm.worker.kernels
-    modules = [
-        importlib.import_module(f"{package.__name__}.{info.name}")
-        for info in pkgutil.iter_modules(package.__path__)
-    ]
-    return {n for m in modules for n in vars(m) if n.startswith("_") and n.endswith("_kernel")}
-
-
 @pytest.mark.parametrize("target_name", sorted(aot_compile.TARGETS))
 def test_every_kernel_compiles_for_target(target_name, reports):
     target = aot_compile.TARGETS[target_name]
     report = reports[target_name]
     results = report["results"]
-    assert {r["kernel"] for r in results} == _kernel_names(), "a kernel has no AOT variant"
+    assert {r["kernel"] for r in results} == set(kernel_functions()), "a kernel has no AOT variant"
     print(f"\ntriton {report['triton']}, {target}, {report['seconds']} s")
     for r in results:
         stages = r["stages"]

@@ -12,42 +12,13 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from vtllm.worker.kernels import (
-    activation,
-    fp8_matmul,
-    fused_moe,
-    fused_moe_decode,
-    gemv,
-    kv_splits,
-    moe_align,
-    moe_routing,
-    paged_attention,
-    qkv_prep,
-    reshape_and_cache,
-    rms_norm,
-    rotary,
-)
+from vtllm.worker.kernels import activation
 
 from .conftest import NEEDS_FRESH_PROCESS, ON_GPU, interpreter_ready
+from .kernel_inventory import kernel_functions
 
-KERNELS = [
-    activation._act_and_mul_kernel,
-    fp8_matmul._fp8_matmul_kernel,
-    fused_moe._fused_moe_gemm_kernel,
-    fused_moe_decode._fused_moe_gemv_kernel,
-    fused_moe_decode._fused_moe_down_sum_kernel,
-    gemv._gemv_kernel,
-    moe_align._count_kernel,
-    moe_align._layout_kernel,
-    moe_align._scatter_kernel,
-    moe_routing._moe_route_kernel,
-    paged_attention._paged_attention_kernel,
-    kv_splits._reduce_splits_kernel,
-    qkv_prep._qkv_prep_kernel,
-    reshape_and_cache._reshape_and_cache_kernel,
-    rms_norm._rms_norm_kernel,
-    rotary._rotary_kernel,
-]
+KERNELS = list(kernel_functions().values())
+assert len(KERNELS) >= 17, "the kernel inventory lost kernels"
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
