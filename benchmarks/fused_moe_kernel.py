@@ -34,6 +34,14 @@ default tiles):
 stages) with the down GEMM at its default, then the down GEMM's with the gate/up at its
 default (BLOCK_M is shared: one alignment serves both), each row with the bytes of the
 experts the call touches and the fraction of ``--peak-gbps`` it streams them at.
+
+``--w8a8`` times the grouped path (``--tokens 256 1024 8192``) over bf16 experts, then
+e4m3 experts (per-row and 128×128 block scales) dotted in bf16 (w8a16: each weight tile
+converted) and with e4m3 activations (w8a8, ``fp8_activations``: the inputs quantised per
+token or per K block, fp8 × fp8 dots), graph-timed with a fresh top-k per call, each with
+its error against the bf16 experts:
+
+    python3 benchmarks/fused_moe_kernel.py --w8a8 --tokens 256 1024 8192
 """
 
 from __future__ import annotations
@@ -239,6 +247,42 @@ def sweep_gemm(args, w13, w2) -> None:
         moe_kernels._gemm_tiles = gemm_tiles
 
 
+def compare_w8a8(args, w13, w2) -> None:
+    """JSON lines: microseconds per grouped-GEMM call, bf16 vs w8a16 vs w8a8 experts."""
+    from vtllm.worker.kernels.moe_common import ExpertScales
+    from vtllm.worker.layers.fp8 import quantize_blocks, quantize_rows
+
+    platform = detect_platform(0)
+    device, hidden, experts, fp8 = platform.device, args.hidden, args.experts, platform.fp8_dtype
+    quantised = {"row": [quantize_rows(w, fp8) for w in (w13, w2)]}
+    quantised["block-128"] = [quantize_blocks(w, (128, 128), fp8) for w in (w13, w2)]
+    for num_tokens in args.tokens:
+        x = torch.randn(num_tokens, hidden, device=device).bfloat16()
+        ids = [
+            torch.stack([torch.randperm(experts, device=device)[: args.top_k] for _ in x]).to(
+                torch.int32
+            )
+            for _ in range(20)
+        ]
+        weights = torch.full((num_tokens, args.top_k), 1.0 / args.top_k, device=device)
+        exact = fused_moe(x, w13, w2, weights, ids[0], "silu", "gemm").float()
+        cases = [("bf16", (w13, w2), {})]
+        for scale_kind, ((q13, s13), (q2, s2)) in quantised.items():
+            block = None if scale_kind == "row" else (128, 128)
+            scales = dict(w13_scales=ExpertScales(s13, block), w2_scales=ExpertScales(s2, block))
+            cases.append((f"w8a16 {scale_kind}", (q13, q2), scales))
+            cases.append((f"w8a8 {scale_kind}", (q13, q2), scales | {"fp8_activations": True}))
+        for name, (a, b), extra in cases:
+
+            def call(i, a=a, b=b, extra=extra, x=x, weights=weights, ids=ids):
+                return fused_moe(x, a, b, weights, ids[i], "silu", "gemm", **extra)
+
+            us = platform.graph_us(call, calls=10, replays=5)
+            error = (call(0).float() - exact).norm() / exact.norm()
+            print(json.dumps({"tokens": num_tokens, "experts": name, "us": round(us, 1),
+                              "rms_error_vs_bf16": round(float(error), 4)}), flush=True)  # fmt: skip
+
+
 def _torch_route(logits, spec):
     """The torch routing the kernel replaced (several small kernels)."""
     return moe_route_ref(logits, spec.top_k, spec.scoring, spec.renormalize, spec.round_weights)
@@ -257,6 +301,7 @@ def main() -> None:
     parser.add_argument("--sweep-gemm", action="store_true", help="grouped-GEMM configurations")
     parser.add_argument("--sweep-router", action="store_true", help="router configurations")
     parser.add_argument("--fp8", action="store_true", help="--sweep over e4m3 experts, row scales")
+    parser.add_argument("--w8a8", action="store_true", help="grouped GEMMs: bf16, w8a16, w8a8")
     args = parser.parse_args()
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
@@ -268,6 +313,9 @@ def main() -> None:
     router = torch.randn(experts, hidden, device=device, generator=generator).bfloat16()
     if args.sweep_gemm:
         sweep_gemm(args, w13, w2)
+        return
+    if args.w8a8:
+        compare_w8a8(args, w13, w2)
         return
     if args.sweep_router:
         routers = torch.randn(20, experts, hidden, device=device, generator=generator)

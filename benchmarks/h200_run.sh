@@ -45,6 +45,8 @@
 #                 configurations at 1 and 8 tokens vs the router GEMM + routing kernel
 #   moe-gemm-sweep  its --sweep-gemm: grouped-GEMM launch configurations at 256, 64, 1024
 #                 and 8192 tokens
+#   moe-w8a8      its --w8a8: the grouped GEMMs over bf16, w8a16 and w8a8 (e4m3 activations)
+#                 experts, per-row and 128x128 block scales, at 256, 1024 and 8192 tokens
 #   gemv-sweep    benchmarks/gemv_kernel.py --sweep: the small-batch GEMV's launch
 #                 configurations (split K included) against cuBLAS at one row, per dense
 #                 shape of Qwen3-0.6B, Llama-3-8B and Qwen3-30B-A3B
@@ -216,6 +218,10 @@ for t in sorted({r['tokens'] for r in rows}):
       timeout 300 python3 benchmarks/fused_moe_kernel.py --sweep-gemm --tokens 256 64 1024 8192 \
         >> "$OUT/moe_gemm_sweep.jsonl" 2>> "$OUT/moe_gemm_sweep.log"
       grep -E '"default": true' "$OUT/moe_gemm_sweep.jsonl" ;;
+    moe-w8a8)
+      timeout 240 python3 benchmarks/fused_moe_kernel.py --w8a8 --tokens 256 1024 8192 \
+        >> "$OUT/moe_w8a8.jsonl" 2>> "$OUT/moe_w8a8.log"
+      cat "$OUT/moe_w8a8.jsonl"; tail -3 "$OUT/moe_w8a8.log" ;;
     gemv-sweep)
       timeout 300 python3 benchmarks/gemv_kernel.py --sweep \
         --shapes qwen3-0.6b llama3-8b qwen3-30b-a3b >> "$OUT/gemv_sweep.jsonl" 2>> "$OUT/gemv_sweep.log"

@@ -102,6 +102,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # CUDA sm90+: the fused decode chain's GEMVs with programmatic dependent launch where
     # start-up timing says it pays (auto), or never (off).
     "VT_DECODE_PDL": lambda: _choice("VT_DECODE_PDL", ("auto", "off"), "auto"),
+    # FP8 experts' grouped GEMMs (prefill, large batches): quantise their inputs per token
+    # and dot e4m3 by e4m3 where the GPU can (auto), or dot in bf16 (off).
+    "VT_MOE_FP8_ACTIVATIONS": lambda: _choice("VT_MOE_FP8_ACTIVATIONS", ("auto", "off"), "auto"),
     # Most stop strings in one request (HTTP schema).
     "VT_MAX_STOP_STRINGS": lambda: _int("VT_MAX_STOP_STRINGS", 64),
     # Most characters of one stop string (HTTP schema).

@@ -151,6 +151,18 @@ class Platform:
         return torch.cuda.get_device_capability(self.device) >= (8, 9)
 
     @property
+    def has_fp8_dot(self) -> bool:
+        """Whether Triton's ``tl.dot`` multiplies e4m3 by e4m3 on the tensor cores here:
+        NVIDIA compute capability 8.9+, MI300 / MI350 (gfx942 / gfx950 MFMA). Elsewhere
+        Triton upcasts fp8 operands, which saves nothing."""
+        if self.kind is PlatformKind.CUDA:
+            return torch.cuda.get_device_capability(self.device) >= (8, 9)
+        if self.kind is PlatformKind.ROCM:
+            arch = torch.cuda.get_device_properties(self.device).gcnArchName
+            return arch.startswith(("gfx942", "gfx950"))
+        return False
+
+    @property
     def has_programmatic_dependent_launch(self) -> bool:
         """Whether kernels may be launched with programmatic dependent launch
         (``griddepcontrol``): NVIDIA compute capability 9.0+ (Hopper and later)."""

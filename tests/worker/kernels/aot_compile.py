@@ -27,6 +27,7 @@ from triton.compiler import ASTSource
 from vtllm.worker.kernels import (
     activation,
     fp8_matmul,
+    fp8_quant,
     fused_moe,
     fused_moe_decode,
     gemv,
@@ -70,6 +71,7 @@ _POINTER_TYPES = {
     "arrivals_ptr": "*i32",
     "weights_ptr": "*fp32",
     "scale_ptr": "*fp32",
+    "a_scale_ptr": "*fp32",
     "k_scale_ptr": "*fp32",
     "v_scale_ptr": "*fp32",
 }
@@ -216,14 +218,14 @@ VARIANTS = [
         "fused_moe_gemm/bf16-gate-up-silu",
         fused_moe._fused_moe_gemm_kernel,
         "bf16",
-        dict(A_PAIRS_PER_ROW=8, GATED=True, ACTIVATION=0, MUL_WEIGHT=False)
+        dict(A_PAIRS_PER_ROW=8, GATED=True, ACTIVATION=0, MUL_WEIGHT=False, A_FP8=False)
         | dict(_NO_SCALE, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32),
     ),
     Variant(
         "fused_moe_gemm/fp16-down-weighted",
         fused_moe._fused_moe_gemm_kernel,
         "fp16",
-        dict(A_PAIRS_PER_ROW=1, GATED=False, ACTIVATION=0, MUL_WEIGHT=True)
+        dict(A_PAIRS_PER_ROW=1, GATED=False, ACTIVATION=0, MUL_WEIGHT=True, A_FP8=False)
         | dict(_NO_SCALE, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64),
     ),
     Variant(
@@ -244,9 +246,43 @@ VARIANTS = [
         "fused_moe_gemm/bf16-fp8-block-gate-up-silu",
         fused_moe._fused_moe_gemm_kernel,
         "bf16",
-        dict(A_PAIRS_PER_ROW=8, GATED=True, ACTIVATION=0, MUL_WEIGHT=False)
+        dict(A_PAIRS_PER_ROW=8, GATED=True, ACTIVATION=0, MUL_WEIGHT=False, A_FP8=False)
         | dict(_BLOCK_SCALES, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32),
         fp8_pointers=("w_ptr",),
+    ),
+    # w8a8 (fp8_activations): where Platform.has_fp8_dot enables it (sm89+, gfx942/950)
+    Variant(
+        "fused_moe_gemm/w8a8-block-gate-up-silu",
+        fused_moe._fused_moe_gemm_kernel,
+        "bf16",
+        dict(A_PAIRS_PER_ROW=8, GATED=True, ACTIVATION=0, MUL_WEIGHT=False, A_FP8=True)
+        | dict(_BLOCK_SCALES, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64),
+        fp8_pointers=("a_ptr", "w_ptr"),
+        targets=("mi300-gfx942", "h100-sm90"),
+    ),
+    Variant(
+        "fused_moe_gemm/w8a8-row-down-weighted",
+        fused_moe._fused_moe_gemm_kernel,
+        "bf16",
+        dict(A_PAIRS_PER_ROW=1, GATED=False, ACTIVATION=0, MUL_WEIGHT=True, A_FP8=True)
+        | dict(W_SCALE=1, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64),
+        fp8_pointers=("a_ptr", "w_ptr"),
+        targets=("mi300-gfx942", "h100-sm90"),
+    ),
+    Variant(
+        "fp8_quant/bf16-group-128",
+        fp8_quant._quantize_fp8_kernel,
+        "bf16",
+        dict(FP8_MAX=448.0, FP8_MIN_NORMAL=2.0**-6, GROUP=128, BLOCK=128),
+        fp8_pointers=("out_ptr",),
+        num_warps=1,
+    ),
+    Variant(
+        "fp8_quant/fp16-row-2048",
+        fp8_quant._quantize_fp8_kernel,
+        "fp16",
+        dict(FP8_MAX=448.0, FP8_MIN_NORMAL=2.0**-6, GROUP=2048, BLOCK=1024),
+        fp8_pointers=("out_ptr",),
     ),
     Variant(
         "fused_moe_gemv/bf16-fp8-row-gate-up-silu",

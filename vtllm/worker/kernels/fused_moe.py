@@ -35,6 +35,7 @@ import torch
 
 from vtllm.worker.kernels._triton import max_shared_memory, tl, triton
 from vtllm.worker.kernels.fp8_matmul import check_scale_block
+from vtllm.worker.kernels.fp8_quant import dequantize_fp8_ref, quantize_fp8, quantize_fp8_ref
 from vtllm.worker.kernels.fused_moe_decode import moe_decode
 from vtllm.worker.kernels.moe_align import align_pairs_by_expert
 from vtllm.worker.kernels.moe_common import (
@@ -49,11 +50,21 @@ __all__ = ["ACTIVATIONS", "ExpertScales", "align_pairs_by_expert", "fused_moe", 
 
 
 @triton.jit
+def _dot(a, w, acc, A_FP8: tl.constexpr):
+    """``acc + a @ w`` in fp32: e4m3 operands on the fp8 tensor-core path, others with
+    IEEE fp32 products where they are fp32 (no TF32)."""
+    if A_FP8:
+        return tl.dot(a, w, acc)
+    return tl.dot(a, w, acc, input_precision="ieee")
+
+
+@triton.jit
 def _fused_moe_gemm_kernel(
     out_ptr,  # [num_pairs, n]
     a_ptr,  # [num_pairs // A_PAIRS_PER_ROW, k]: tokens (first GEMM) or the intermediate
     w_ptr,  # [num_experts, n * (2 if GATED else 1), k]
     scale_ptr,  # fp32 [E, rows] (W_SCALE 1) or [E, cdiv(rows, SCALE_BLOCK_N), cdiv(k, bk)] (2)
+    a_scale_ptr,  # fp32 [a rows] (W_SCALE 1) or [a rows, cdiv(k, bk)] (2); read when A_FP8
     pair_weights_ptr,  # [num_pairs] fp32 / bf16 / fp16; read when MUL_WEIGHT
     sorted_pair_ids_ptr,  # [max_blocks * BLOCK_M] i32; padding holds num_pairs
     block_expert_ids_ptr,  # [max_blocks] i32
@@ -67,6 +78,7 @@ def _fused_moe_gemm_kernel(
     stride_w_row,
     stride_scale_expert,
     stride_scale_row,
+    stride_a_scale_row,
     A_PAIRS_PER_ROW: tl.constexpr,  # top_k when a holds tokens, 1 when it holds pairs
     GATED: tl.constexpr,  # w holds gate rows then up rows: out = act(a @ gate) * (a @ up)
     ACTIVATION: tl.constexpr,
@@ -74,6 +86,7 @@ def _fused_moe_gemm_kernel(
     W_SCALE: tl.constexpr,  # 0: plain weights; FP8 with 1: per-row, 2: block scales
     SCALE_BLOCK_N: tl.constexpr,
     SCALE_BLOCK_K: tl.constexpr,
+    A_FP8: tl.constexpr,  # a is e4m3 too (FP8 weights only): fp8 x fp8 dots, a's scales
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -97,22 +110,21 @@ def _fused_moe_gemm_kernel(
     scale_base = scale_ptr + expert * stride_scale_expert
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_scale_ptrs = a_scale_ptr + a_rows * stride_a_scale_row  # [BLOCK_M]
     for k0 in range(0, k, BLOCK_K):
         k_mask = offs_k + k0 < k
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
+        # e4m3 weights become a's dtype: bf16 / fp16 (exact), or stay e4m3 with A_FP8
         w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(a_ptr.dtype.element_ty)
-        if W_SCALE == 2:
-            scale = block_scales(
-                scale_base, offs_n, k0, n_mask, stride_scale_row, SCALE_BLOCK_N, SCALE_BLOCK_K
-            )
-            acc += tl.dot(a, w, input_precision="ieee") * scale[None, :]
-        else:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
         if GATED:
             w_up = tl.load(w_ptrs + n * stride_w_row, mask=w_mask, other=0.0)
             w_up = w_up.to(a_ptr.dtype.element_ty)
-            if W_SCALE == 2:
+        if W_SCALE == 2:
+            scale = block_scales(
+                scale_base, offs_n, k0, n_mask, stride_scale_row, SCALE_BLOCK_N, SCALE_BLOCK_K
+            )[None, :]  # [1, BLOCK_N]
+            if GATED:
                 scale_up = block_scales(
                     scale_base,
                     offs_n + n,
@@ -121,16 +133,35 @@ def _fused_moe_gemm_kernel(
                     stride_scale_row,
                     SCALE_BLOCK_N,
                     SCALE_BLOCK_K,
-                )
-                acc_up += tl.dot(a, w_up, input_precision="ieee") * scale_up[None, :]
-            else:
-                acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+                )[None, :]
+            if A_FP8:
+                a_scale = tl.load(a_scale_ptrs + k0 // SCALE_BLOCK_K, mask=pair_mask, other=0.0)[
+                    :, None
+                ]  # [BLOCK_M, 1]
+                scale = a_scale * scale
+                if GATED:
+                    scale_up = a_scale * scale_up
+            acc += _dot(a, w, tl.zeros_like(acc), A_FP8) * scale
+            if GATED:
+                acc_up += _dot(a, w_up, tl.zeros_like(acc_up), A_FP8) * scale_up
+        else:
+            acc = _dot(a, w, acc, A_FP8)
+            if GATED:
+                acc_up = _dot(a, w_up, acc_up, A_FP8)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if W_SCALE == 1:
-        acc = acc * tl.load(scale_base + offs_n, mask=n_mask, other=0.0)[None, :]
+        row_scale = tl.load(scale_base + offs_n, mask=n_mask, other=0.0)[None, :]
         if GATED:
-            acc_up = acc_up * tl.load(scale_base + n + offs_n, mask=n_mask, other=0.0)[None, :]
+            row_scale_up = tl.load(scale_base + n + offs_n, mask=n_mask, other=0.0)[None, :]
+        if A_FP8:
+            a_scale = tl.load(a_scale_ptrs, mask=pair_mask, other=0.0)[:, None]  # [BLOCK_M, 1]
+            row_scale = a_scale * row_scale
+            if GATED:
+                row_scale_up = a_scale * row_scale_up
+        acc = acc * row_scale
+        if GATED:
+            acc_up = acc_up * row_scale_up
     if GATED:
         acc = gate_activation(acc, ACTIVATION) * acc_up
     if MUL_WEIGHT:
@@ -187,10 +218,15 @@ def _launch_gemm(
     a_pairs_per_row: int,
     gated: bool,
     activation: int,
+    fp8_activations: bool,
 ) -> None:
     """One grouped GEMM: gate/up (``gated``, a holds tokens) or down (times the pair's
-    routing weight, a holds the pairs' intermediate)."""
+    routing weight, a holds the pairs' intermediate). ``fp8_activations`` (FP8 ``w``
+    only): ``a`` is quantised here, one scale a row or, with block scales, a K block."""
     num_pairs, n = out.shape
+    a_scale = pair_weights  # never read without fp8_activations
+    if fp8_activations:
+        a, a_scale = quantize_fp8(a, w.dtype, None if scales.block is None else scales.block[1])
     sorted_pair_ids, block_expert_ids, num_padded, block_m = alignment
     tiles = (block_m, *_gemm_tiles(num_pairs, w.shape[0], gated)[1:])
     limit = max_shared_memory(out.device)
@@ -200,10 +236,10 @@ def _launch_gemm(
     scale, scale_strides, constexprs, block_k = scale_args(scales, pair_weights, block_k)
     grid = (block_expert_ids.numel(), triton.cdiv(n, block_n))
     _fused_moe_gemm_kernel[grid](
-        out, a, w, scale, pair_weights, sorted_pair_ids, block_expert_ids, num_padded,
+        out, a, w, scale, a_scale, pair_weights, sorted_pair_ids, block_expert_ids, num_padded,
         n, a.shape[1], num_pairs, a.stride(0), out.stride(0), w.stride(0), w.stride(1),
-        *scale_strides, A_PAIRS_PER_ROW=a_pairs_per_row, GATED=gated, ACTIVATION=activation,
-        MUL_WEIGHT=not gated, **constexprs,
+        *scale_strides, a_scale.stride(0), A_PAIRS_PER_ROW=a_pairs_per_row, GATED=gated,
+        ACTIVATION=activation, MUL_WEIGHT=not gated, **constexprs, A_FP8=fp8_activations,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
@@ -219,12 +255,17 @@ def fused_moe(
     path: str = "auto",
     w13_scales: ExpertScales | None = None,
     w2_scales: ExpertScales | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """The routed experts' weighted sum per token, ``[num_tokens, hidden]`` in x's dtype.
 
     ``path``: ``auto`` (GEMV when ``num_tokens * top_k <= num_experts``, else grouped GEMM),
-    ``gemv`` or ``gemm``. FP8 ``w13`` / ``w2`` come with their ``ExpertScales``. Raises
-    ValueError on inconsistent shapes.
+    ``gemv`` or ``gemm``. FP8 ``w13`` / ``w2`` come with their ``ExpertScales``; with
+    ``fp8_activations`` the grouped GEMMs also quantise their inputs to e4m3 (``fp8_quant``:
+    per token, or per 128-wide K block with block scales) and dot in fp8 (w8a8, as vLLM's
+    FP8 MoE does: half the bytes, twice the tensor-core rate; ignored for plain weights and
+    on the GEMV path, where the weights' bytes are all there is). Raises ValueError on
+    inconsistent shapes.
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, w13_hidden = w13.shape
@@ -263,9 +304,10 @@ def fused_moe(
     block_m = _gemm_tiles(num_pairs, num_experts, True)[0]
     alignment = (*align_pairs_by_expert(topk_ids, num_experts, block_m), block_m)
     inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
-    _launch_gemm(inter_out, x, w13, w13_scales, pair_weights, alignment, top_k, True, act)
+    w8a8 = fp8_activations and w13_scales is not None and w2_scales is not None
+    _launch_gemm(inter_out, x, w13, w13_scales, pair_weights, alignment, top_k, True, act, w8a8)
     pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [P, H]
-    _launch_gemm(pair_out, inter_out, w2, w2_scales, pair_weights, alignment, 1, False, act)
+    _launch_gemm(pair_out, inter_out, w2, w2_scales, pair_weights, alignment, 1, False, act, w8a8)
     # the weighted pairs of a token summed in fp32 (no fp32 copy of pair_out), rounded once
     return pair_out.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
 
@@ -279,17 +321,27 @@ def fused_moe_ref(
     activation: str = "silu",
     w13_scales: ExpertScales | None = None,
     w2_scales: ExpertScales | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """Plain-torch ``fused_moe`` (same contract): a loop over the experts that were hit,
     fp32 math with the intermediate rounded to x's dtype, as the kernels do; FP8 experts
-    dequantised to fp32 first."""
+    dequantised to fp32 first, and with ``fp8_activations`` each GEMM's input rows
+    quantised and dequantised as the w8a8 kernels quantise them."""
     num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
     act = ACTIVATIONS[activation]
+    w8a8 = fp8_activations and w13_scales is not None and w2_scales is not None
+
+    def as_w8a8_input(rows: torch.Tensor, scales: ExpertScales, fp8_dtype: torch.dtype):
+        group = None if scales.block is None else scales.block[1]
+        return dequantize_fp8_ref(*quantize_fp8_ref(rows, fp8_dtype, group), group)
+
     acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     for expert in torch.unique(topk_ids).tolist():
         token_idx, slot_idx = torch.nonzero(topk_ids == expert, as_tuple=True)
         rows = x[token_idx].float()  # [n_e, hidden]
+        if w8a8:
+            rows = as_w8a8_input(x[token_idx], w13_scales, w13.dtype)
         w13_e = w13[expert].float() if w13_scales is None else w13_scales.dequantize(w13, expert)
         w2_e = w2[expert].float() if w2_scales is None else w2_scales.dequantize(w2, expert)
         gate_up = rows @ w13_e.t()  # [n_e, 2 * inter]
@@ -299,6 +351,8 @@ def fused_moe_ref(
         else:
             activated = torch.nn.functional.silu(gate)
         inter_rows = (activated * up).to(x.dtype).float()  # [n_e, inter]
+        if w8a8:
+            inter_rows = as_w8a8_input(inter_rows.to(x.dtype), w2_scales, w2.dtype)
         down = inter_rows @ w2_e.t()  # [n_e, hidden]
         weights = topk_weights[token_idx, slot_idx].float()[:, None]
         acc.index_add_(0, token_idx, (down * weights).to(x.dtype).float())

@@ -26,10 +26,13 @@ FP8 experts (``layers/fp8.py``): the two parameters become e4m3 and gain
 ``w13_weight_scale`` / ``w2_weight_scale`` (per row) or ``..._weight_scale_inv`` (per block)
 in the same expert-major layout, filled per (expert, kind) from the checkpoint's
 ``experts.{e}.{proj}.weight_scale[_inv]``; ``expert_scales`` hands them to the kernel.
+Where the GPU dots e4m3 by e4m3 (``Platform.has_fp8_dot``, unless
+``VT_MOE_FP8_ACTIVATIONS=off``) the grouped GEMMs quantise their inputs too (w8a8).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -112,6 +115,15 @@ def route_tokens(
     return select_experts(router(x), spec, expert_scale)
 
 
+@functools.cache
+def fp8_dot_on(device: torch.device) -> bool:
+    """Whether FP8 experts on ``device`` run their grouped GEMMs as w8a8 (module docstring)."""
+    from vtllm import envs
+    from vtllm.worker.platform import platform_of
+
+    return envs.VT_MOE_FP8_ACTIVATIONS != "off" and platform_of(device).has_fp8_dot
+
+
 def _empty_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
@@ -178,12 +190,15 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         from vtllm.worker.kernels import fused_moe as kernels
 
-        moe = kernels.fused_moe if x.is_cuda else kernels.fused_moe_ref
         w13_scales, w2_scales = self.expert_scales or (None, None)
-        out = moe(
-            x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
-            w13_scales=w13_scales, w2_scales=w2_scales,
-        )  # fmt: skip
+        args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation)
+        if not x.is_cuda:
+            out = kernels.fused_moe_ref(*args, w13_scales=w13_scales, w2_scales=w2_scales)
+        else:
+            fp8_activations = self.expert_scales is not None and fp8_dot_on(x.device)
+            out = kernels.fused_moe(
+                *args, w13_scales=w13_scales, w2_scales=w2_scales, fp8_activations=fp8_activations
+            )
         return self.tp.all_reduce(out)  # [num_tokens, hidden]
 
 

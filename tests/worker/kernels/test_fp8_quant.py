@@ -1,0 +1,68 @@
+"""quantize_fp8 (Triton) vs quantize_fp8_ref (torch): dynamic e4m3 activation scales per row
+and per K group, and what the round trip loses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vtllm.worker.kernels.fp8_quant import dequantize_fp8_ref, quantize_fp8, quantize_fp8_ref
+
+from .marks import gpu
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+@pytest.mark.parametrize(
+    ("rows", "k", "group"),
+    [(5, 64, None), (3, 200, None), (4, 256, 128), (2, 300, 128), (1, 40, 16), (3, 2100, None)],
+)
+def test_matches_reference(rows, k, group, fp8_dtype, device, generator):
+    x = (torch.randn(rows, k, generator=generator) * 3).to(device)
+    x[0, : min(k, 16)] = 0.0  # an all-zero group (the first) when group == 16
+    actual, actual_scale = quantize_fp8(x, fp8_dtype, group)
+    expected, expected_scale = quantize_fp8_ref(x, fp8_dtype, group)
+    num_groups = -(-k // (group or k))
+    assert actual.dtype == fp8_dtype and actual.shape == (rows, k)
+    assert actual_scale.shape == (rows, num_groups) and actual_scale.dtype == torch.float32
+    torch.testing.assert_close(actual_scale, expected_scale, atol=0, rtol=1e-6)
+    # the same e4m3 values: normal ones exactly (rounded in fp32 first), subnormals to one
+    # step (Triton's interpreter rounds some of those its own way; a GPU matches exactly)
+    finfo = torch.finfo(fp8_dtype)
+    normal = expected.float().abs() >= finfo.smallest_normal
+    assert torch.equal(actual.float()[normal], expected.float()[normal])
+    subnormal_step = finfo.smallest_normal / 8
+    torch.testing.assert_close(actual.float(), expected.float(), atol=subnormal_step, rtol=0)
+
+
+def test_round_trip_error_is_e4m3_rounding(device, generator):
+    x = torch.randn(8, 512, generator=generator).to(device)
+    for group in (None, 128):
+        x_fp8, scale = quantize_fp8(x, torch.float8_e4m3fn, group)
+        back = dequantize_fp8_ref(x_fp8, scale, group)
+        # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 above the subnormals
+        limit = x.abs() * 2**-4 + scale.repeat_interleave(group or 512, 1) * 2**-6
+        assert bool(((back - x).abs() <= limit).all())
+        # every row (group) reaches the format's max: the scale is amax / 448
+        assert float(x_fp8.float().abs().amax()) == 448.0
+
+
+def test_empty_and_bad_inputs(device):
+    out, scale = quantize_fp8(torch.zeros(0, 64, device=device), torch.float8_e4m3fn)
+    assert out.shape == (0, 64) and scale.shape == (0, 1)
+    with pytest.raises(ValueError, match="takes \\[rows, k\\]"):
+        quantize_fp8(torch.zeros(64, device=device), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="group must be positive"):
+        quantize_fp8(torch.zeros(2, 64, device=device), torch.float8_e4m3fn, 0)
+
+
+@gpu
+@pytest.mark.parametrize("group", [None, 128])
+def test_gpu_bf16_activations(group, device):
+    x = torch.randn(300, 2048, device=device, dtype=torch.bfloat16)
+    from vtllm.worker.platform import platform_of
+
+    fp8_dtype = platform_of(x.device).fp8_dtype
+    actual, scale = quantize_fp8(x, fp8_dtype, group)
+    expected, expected_scale = quantize_fp8_ref(x, fp8_dtype, group)
+    torch.testing.assert_close(scale, expected_scale, atol=0, rtol=1e-6)
+    assert torch.equal(actual.float(), expected.float())  # hardware conversion: bit for bit
