@@ -66,3 +66,17 @@ def test_gpu_bf16_activations(group, device):
     expected, expected_scale = quantize_fp8_ref(x, fp8_dtype, group)
     torch.testing.assert_close(scale, expected_scale, atol=0, rtol=1e-6)
     assert torch.equal(actual.float(), expected.float())  # hardware conversion: bit for bit
+
+
+@gpu
+def test_gpu_dense_activations_same_codes_as_quantize_rows(device):
+    """The dense ``_scaled_mm`` path's per-token quantiser (the kernel on a GPU) gives
+    ``quantize_rows``' codes and scales exactly."""
+    from vtllm.worker.layers.fp8 import quantize_activations, quantize_rows
+
+    x = torch.randn(130, 4096, device=device, dtype=torch.bfloat16)
+    x_fp8, scale = quantize_activations(x, torch.float8_e4m3fn)
+    expected, expected_scale = quantize_rows(x, torch.float8_e4m3fn)
+    assert scale.shape == (130, 1)
+    torch.testing.assert_close(scale[:, 0], expected_scale, atol=0, rtol=1e-6)
+    assert torch.equal(x_fp8.float(), expected.float())

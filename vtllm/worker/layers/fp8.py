@@ -74,7 +74,12 @@ def quantize_blocks(
 
 
 def quantize_activations(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token scales: ``(x_fp8 [M, K], scale [M, 1] fp32)``."""
+    """Dynamic per-token scales: ``(x_fp8 [M, K], scale [M, 1] fp32)``; on a GPU one Triton
+    kernel (``kernels/fp8_quant.py``, the same codes as ``quantize_rows``)."""
+    if x.is_cuda and x.dim() == 2:
+        from vtllm.worker.kernels.fp8_quant import quantize_fp8
+
+        return quantize_fp8(x, dtype)
     x_fp8, scale = quantize_rows(x, dtype)
     return x_fp8, scale[:, None]
 
@@ -92,9 +97,10 @@ def to_e4m3fnuz(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 # Fewer tokens than this take the Triton kernel even where _scaled_mm runs: quantising the
-# activations per token is ~7 small kernels per linear, which at decode batch sizes cost more
-# than the halved weight bytes save (H200, Qwen3-30B-A3B shape, batch 1: 5.98 ms a step with
-# _scaled_mm everywhere vs 5.12 ms in bf16).
+# activations per token was ~7 small kernels per linear when this was measured, which at
+# decode batch sizes cost more than the halved weight bytes save (H200, Qwen3-30B-A3B shape,
+# batch 1: 5.98 ms a step with _scaled_mm everywhere vs 5.12 ms in bf16). It is one kernel
+# now (kernels/fp8_quant.py); the threshold has not been re-measured since.
 SCALED_MM_MIN_TOKENS = 64
 
 
