@@ -36,6 +36,8 @@
 #   ab-latency-SHAPE, ab-throughput-SHAPE  `vtllm bench latency|throughput` from this tree
 #                 and from $BASE_TREE (an unpacked older tree), alternating, $AB_ROUNDS
 #                 (default 2) runs each, with $AB_FLAGS added (e.g. "--quantization fp8")
+#   w8a8-throughput-SHAPE  `vtllm bench throughput --quantization fp8` (MoE shapes, 256 prompts
+#                 [100, 1024]) with VT_MOE_FP8_ACTIVATIONS=off (w8a16), then auto (w8a8)
 #   async-throughput-SHAPE  the same for `vtllm bench throughput` (256 prompts)
 #   moe-kernel    benchmarks/fused_moe_kernel.py: the fused-MoE kernel vs its torch reference
 #   moe-sweep     its --sweep: decode-path launch configurations at 1, 4, 16 tokens, and the
@@ -176,6 +178,14 @@ for phase in "$@"; do
         (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 150 python3 -m vtllm.cli bench $kind \
           --model-shape "$shape" $BENCH ${AB_FLAGS:-} 2>> "$OUT/ab_${kind}_${shape}_$tree.log" | tail -1 \
           | sed "s/^/$tree /") | tee -a "$OUT/ab.jsonl"
+      done ;;
+    w8a8-throughput-*)
+      # FP8 experts offline (256 prompts [100, 1024]): w8a16 grouped GEMMs, then w8a8
+      shape=${phase#w8a8-throughput-}
+      for mode in off auto; do
+        VT_MOE_FP8_ACTIVATIONS=$mode timeout 170 python3 -m vtllm.cli bench throughput \
+          --model-shape "$shape" $MOE_BENCH --quantization fp8 \
+          2>> "$OUT/w8a8_throughput_${shape}_$mode.log" | tail -1 | sed "s/^/$mode /" | tee -a "$OUT/w8a8.jsonl"
       done ;;
     async-throughput-*)
       shape=${phase#async-throughput-}
