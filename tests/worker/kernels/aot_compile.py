@@ -467,8 +467,10 @@ def _facts(stage: str, module: str | bytes) -> dict[str, Any]:
             facts["target"] = line.split()[1]
     if stage == "amdgcn":
         facts["matrix_instructions"] = module.count("v_mfma") + module.count("v_wmma")
+        facts["fp8_matrix_instructions"] = module.count("_fp8_fp8")  # v_mfma_f32_*_fp8_fp8
     if stage == "ptx":
         facts["matrix_instructions"] = module.count("mma.")
+        facts["fp8_matrix_instructions"] = module.count(".e4m3.e4m3")  # wgmma/mma e4m3 x e4m3
     return facts
 
 

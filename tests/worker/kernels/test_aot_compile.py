@@ -107,6 +107,8 @@ def test_every_kernel_compiles_for_target(target_name, reports):
         ):
             # tl.dot reached the matrix units: MFMA (CDNA), WMMA (RDNA4), mma/wgmma (Hopper)
             assert assembly["matrix_instructions"] > 0, r["variant"]
+        if "w8a8" in r["variant"]:  # fp8 x fp8 on the matrix units, not upcast first
+            assert assembly["fp8_matrix_instructions"] > 0, r["variant"]
         for binary in ("hsaco", "cubin"):
             if binary in stages:
                 assert stages[binary]["elf"] and stages[binary]["bytes"] > 0
