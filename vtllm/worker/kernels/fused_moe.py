@@ -262,10 +262,10 @@ def fused_moe(
     ``path``: ``auto`` (GEMV when ``num_tokens * top_k <= num_experts``, else grouped GEMM),
     ``gemv`` or ``gemm``. FP8 ``w13`` / ``w2`` come with their ``ExpertScales``; with
     ``fp8_activations`` the grouped GEMMs also quantise their inputs to e4m3 (``fp8_quant``:
-    per token, or per 128-wide K block with block scales) and dot in fp8 (w8a8, as vLLM's
-    FP8 MoE does: half the bytes, twice the tensor-core rate; ignored for plain weights and
-    on the GEMV path, where the weights' bytes are all there is). Raises ValueError on
-    inconsistent shapes.
+    per token, or per 128-wide K block with block scales) and dot e4m3 by e4m3 (w8a8, as
+    vLLM's FP8 MoE does: no weight-tile conversion, the tensor cores' fp8 rate for
+    prefill-sized GEMMs); ignored for plain weights and on the GEMV path, which reads the
+    e4m3 weights as they are. Raises ValueError on inconsistent shapes.
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, w13_hidden = w13.shape
