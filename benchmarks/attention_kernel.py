@@ -14,10 +14,9 @@ Two workloads per model shape (bf16, block size 16, blocks in random order):
 Without ``--sweep`` only the launcher's default tiles run. Prints one JSON line a
 (workload, configuration); the default configuration carries ``"default": true``.
 
-``--splits`` times decodes instead over KV split counts (1 to 32), each split count with
-the reduce kernel and with the splits merged inside the attention kernel
-(``fused_reduce``), in device graphs of 20 calls (no launch cost, as in a decode graph),
-beside the split count the launcher picks on its own:
+``--splits`` times decodes instead over KV split counts (1 to 32), in device graphs of 20
+calls (no launch cost, as in a decode graph), beside the split count the launcher picks on
+its own (``kv_splits.choose_num_kv_splits``):
 
     python3 benchmarks/attention_kernel.py --splits --decode 1x160 1x1024 1x8192 8x1024
 """
@@ -162,8 +161,7 @@ def bench_decode(shape: str, hf: dict, batch: int, context: int, sweep: bool) ->
 
 
 def bench_splits(shape: str, hf: dict, batch: int, context: int) -> None:
-    """JSON lines: µs a decode call (device graphs) at each split count, with the reduce
-    kernel and with ``fused_reduce``."""
+    """JSON lines: µs a decode call (device graphs) at each split count."""
     from vtllm.worker.kernels.kv_splits import choose_num_kv_splits
 
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
@@ -174,16 +172,14 @@ def bench_splits(shape: str, hf: dict, batch: int, context: int) -> None:
     out = torch.empty_like(q)
     platform = detect_platform(0)
     picked = choose_num_kv_splits(batch, batch, kv_heads, context)
-    for splits, fused in itertools.product((1, 2, 4, 8, 16, 32), (False, True)):
-        if splits == 1 and fused:
-            continue
+    for splits in (1, 2, 4, 8, 16, 32):
 
-        def run(i, splits=splits, fused=fused):
+        def run(i, splits=splits):
             paged_attention(q, k_cache, v_cache, loc, lens, table, head_dim**-0.5,
-                            num_kv_splits=splits, out=out, fused_reduce=fused)  # fmt: skip
+                            num_kv_splits=splits, out=out)  # fmt: skip
 
         row = {"kind": "decode-splits", "model": shape, "batch": batch, "context": context,
-               "splits": splits, "fused_reduce": fused, "launcher_picks": picked}  # fmt: skip
+               "splits": splits, "launcher_picks": picked}  # fmt: skip
         try:
             row["us"] = round(platform.graph_us(run), 2)
         except Exception as e:  # noqa: BLE001 - report, go on

@@ -29,7 +29,7 @@
 #                 step (--long-prefill-token-threshold 0), then in the default's 512-token chunks
 #   attn          benchmarks/attention_kernel.py, the default tiles only (both shapes)
 #   attn-splits   benchmarks/attention_kernel.py --splits: batch-1/8 decodes at 160 to 8192
-#                 keys over KV split counts, reduce kernel vs fused_reduce (device graphs)
+#                 keys over KV split counts 1-32 (device graphs), beside the launcher's pick
 #   attn-sweep    benchmarks/attention_kernel.py: the paged-attention kernel's launch
 #                 configurations on the Llama-3-8B shape (8k prefill vs torch SDPA, decodes)
 #   tput-SHAPE    `vtllm bench throughput` alone (256 prompts [100, 1024]), default flags

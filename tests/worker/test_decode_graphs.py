@@ -186,9 +186,9 @@ def test_short_batches_replay_the_unsplit_variant(tmp_path):
     runner.init_kv_cache(num_blocks=1100, block_size=4)
     runner.attention_backend = "triton"
     graphs = runner.capture_decode_graphs(cpu_platform(), 2, 4096, use_graphs=False)
-    # tiny qwen3: 2 KV heads; 4,096 keys afford 8 splits of >= 512 keys
-    assert graphs.split_counts(1) == [8, 1] and graphs.split_counts(2) == [8, 1]
-    assert [graphs.split_count(1, n) for n in (1, 40, 1023, 1024, 4096)] == [1, 1, 1, 8, 8]
+    # tiny qwen3: 2 KV heads; 4,096 keys afford 32 splits of >= 128 keys (the cap)
+    assert graphs.split_counts(1) == [32, 1] and graphs.split_counts(2) == [32, 1]
+    assert [graphs.split_count(1, n) for n in (1, 40, 255, 256, 4096)] == [1, 1, 1, 32, 32]
     ran: list[int] = []
     original = graphs.inputs.metadata
     graphs.inputs.metadata = lambda size, splits: ran.append(splits) or original(size, splits)
@@ -200,4 +200,4 @@ def test_short_batches_replay_the_unsplit_variant(tmp_path):
     engine.add("long", [5 + i % 100 for i in range(1200)], greedy)
     engine.step({"long": 1200})
     engine.step({"short": 1, "long": 1})  # 1,201 keys: split
-    assert ran == [1, 8]
+    assert ran == [1, 32]

@@ -9,9 +9,9 @@ partial output ``o[r, s]`` with its running max ``m[r, s]`` (log2 domain) and su
     M = max_s m[r, s]        w_s = 2 ** (m[r, s] - M)     (empty splits: m = -inf, w = 0)
     out[r] = Σ_s w_s · o[r, s] / Σ_s w_s · l[r, s]
 
-``_reduce_splits_kernel`` merges in a second launch; with ``fused_reduce`` the last split
-of a (sequence, KV head) to finish runs ``merge_splits`` on its block's rows instead (one
-launch; the arrival counters of ``_triton.arrival_counters``).
+``_reduce_splits_kernel`` merges them in a second launch. (Merging in the attention
+kernel instead, by the last split to finish, was measured slower at every batch, context
+and split count tried: session 32, docs/BENCHMARKS.md.)
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from vtllm.worker.kernels._triton import tl, triton
 # A decode-only batch with fewer (sequence, KV head) programs than this is split over
 # the keys; roughly two waves on a 132-SM H100/H200 (MI300X has 304 CUs).
 SPLIT_TARGET_PROGRAMS = 256
-# Each split must keep at least this many keys, or the reduce costs more than it saves.
-MIN_KEYS_PER_SPLIT = 512
+# Each split keeps at least this many keys. From the H100 sweep of session 32
+# (attention_kernel.py --splits, device graphs): 128 keys a split was the best or within
+# 2 % of it at batch 1 and 8, 160 to 8,192 keys, on the Qwen3-0.6B and -30B-A3B shapes
+# (1,024 keys at batch 1: 2 splits 12.6 µs, 8 splits 7.4 µs); 512 split too little.
+MIN_KEYS_PER_SPLIT = 128
 MAX_KV_SPLITS = 32
-# fused_reduce: counters for up to this many (sequence, KV head) groups a launch
-ARRIVALS_SIZE = 1 << 16
 
 
 def choose_num_kv_splits(
@@ -49,47 +50,6 @@ def choose_num_kv_splits(
     affordable = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
     affordable = 1 << (affordable.bit_length() - 1)  # round down to a power of two
     return min(wanted, affordable, MAX_KV_SPLITS)
-
-
-@triton.jit
-def merge_splits(
-    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-    first_partial,  # [BLOCK_M] i64: each row's split 0
-    token_id, head_id, row_valid, stride_o_token, stride_o_head,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    NUM_KV_SPLITS: tl.constexpr,
-):  # fmt: skip
-    """``_reduce_splits_kernel`` for one program's rows, run by the last of
-    their splits to finish (volatile loads: the other splits' partials, just stored)."""
-    offs_s = tl.arange(0, NUM_KV_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    ids = first_partial[:, None] + offs_s[None, :]  # [BLOCK_M, NUM_KV_SPLITS]
-    split_max = tl.load(partial_max_ptr + ids, mask=row_valid[:, None], other=float("-inf"),
-                        volatile=True)  # fmt: skip
-    split_sum = tl.load(partial_sum_ptr + ids, mask=row_valid[:, None], other=0.0,
-                        volatile=True)  # fmt: skip
-    global_max = tl.max(split_max, 1)  # [BLOCK_M]
-    global_max = tl.where(global_max == float("-inf"), 0.0, global_max)
-    weight = tl.math.exp2(split_max - global_max[:, None])  # empty splits get 0
-    denominator = tl.sum(split_sum * weight, 1)  # [BLOCK_M]
-    numerator = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    for s in tl.static_range(NUM_KV_SPLITS):
-        split_weight = tl.math.exp2(
-            tl.load(partial_max_ptr + first_partial + s, mask=row_valid, other=0.0,
-                    volatile=True) - global_max
-        )  # [BLOCK_M]  # fmt: skip
-        split_out = tl.load(
-            partial_out_ptr + (first_partial + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-            mask=row_valid[:, None], other=0.0, volatile=True,
-        )  # [BLOCK_M, HEAD_DIM_PAD]  # fmt: skip
-        numerator += split_out * split_weight[:, None]
-    out = numerator / tl.where(denominator == 0.0, 1.0, denominator)[:, None]
-    tl.store(
-        out_ptr + token_id[:, None] * stride_o_token + head_id[:, None] * stride_o_head
-        + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :],
-    )  # fmt: skip
 
 
 @triton.jit

@@ -33,10 +33,7 @@ Split-KV (flash-decoding): with ``num_kv_splits > 1`` each (query block, KV head
 that many programs, each over a contiguous share of the key tiles; they write
 unnormalised partial outputs with their running max and sum, and
 ``kv_splits.py`` merges them (its docstring has the math). It pays off when a few long
-decodes would otherwise leave most of the GPU idle. With ``fused_reduce`` (decode-only
-launches; opt-in until measured) the splits of a (sequence, KV head) count themselves in on
-a device counter after storing their partials, and the last one merges them
-(``kv_splits.merge_splits``): one launch, so that short contexts might split too.
+decodes would otherwise leave most of the GPU idle.
 
 FP8 caches (``worker/kv_cache_dtype.py``) hold ``K / k_scale`` and ``V / v_scale`` in
 e4m3. Dequantising is linear, so the kernel never multiplies a tile: it converts fp8 to
@@ -53,11 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vtllm.worker.kernels._triton import arrival_counters, max_shared_memory, tl, triton
+from vtllm.worker.kernels._triton import max_shared_memory, tl, triton
 from vtllm.worker.kernels.kv_splits import (
-    ARRIVALS_SIZE,
     choose_num_kv_splits,
-    merge_splits,
     reduce_splits,
     split_partials,
 )
@@ -149,7 +144,6 @@ def _paged_attention_kernel(
     partial_out_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS, HEAD_DIM_PAD] fp32
     partial_max_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS] fp32, log2 domain
     partial_sum_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS] fp32
-    arrivals_ptr,  # [>= num_q_blocks * num_kv_heads] i32 zeros; FUSED_REDUCE only
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -182,7 +176,6 @@ def _paged_attention_kernel(
     NUM_KV_SPLITS: tl.constexpr,
     KV_FP8: tl.constexpr,  # the caches hold e4m3 values of K / k_scale, V / v_scale
     ONE_QUERY_A_SEQ: tl.constexpr,  # every sequence has one query token: block i is seq i
-    FUSED_REDUCE: tl.constexpr,  # splits: the last of a block's splits merges them
 ):
     q_block_id = tl.program_id(0)
     kv_head_id = tl.program_id(1)
@@ -296,17 +289,6 @@ def _paged_attention_kernel(
         )
         tl.store(partial_max_ptr + partial_id, m_i, mask=row_valid)
         tl.store(partial_sum_ptr + partial_id, l_i, mask=row_valid)
-        if FUSED_REDUCE:
-            tl.debug_barrier()  # every thread's partials stored before the release below
-            counter = arrivals_ptr + q_block_id * tl.num_programs(1) + kv_head_id
-            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_KV_SPLITS - 1:
-                merge_splits(
-                    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-                    partial_id - split_id, token_id, head_id, row_valid,
-                    stride_o_token, stride_o_head, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M,
-                    NUM_KV_SPLITS,
-                )  # fmt: skip
-                tl.atomic_xchg(counter, 0)  # ready for the next launch (and graph replay)
 
 
 @dataclass(frozen=True)
@@ -365,7 +347,6 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,  # [] fp32, FP8 caches only
     tiles: AttentionTiles | None = None,
     search_sequences: bool = False,
-    fused_reduce: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged keys and values.
 
@@ -383,12 +364,8 @@ def paged_attention(
     ignore them. ``tiles`` overrides the launch configuration (``choose_tiles``; for
     sweeps). A batch of as many tokens as sequences (every sequence one token: sequences
     never have zero) gives each sequence one program directly; ``search_sequences`` makes
-    it number query blocks as mixed steps do (for benchmarks and tests). ``fused_reduce``
-    (decode-only split launches; not yet the default: to be measured, ``attention_kernel.py
-    --splits``) merges the splits in the attention kernel itself: the last of a
-    block's splits to finish, counted on a device counter, does what the reduce kernel
-    would, one launch instead of two. Returns ``out`` ``[num_tokens, num_heads, head_dim]``
-    in q's dtype.
+    it number query blocks as mixed steps do (for benchmarks and tests). Returns ``out``
+    ``[num_tokens, num_heads, head_dim]`` in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -427,18 +404,9 @@ def paged_attention(
         partials = split_partials(num_tokens, num_heads, num_kv_splits, head_dim_pad, q.device)
     else:
         partials = (out, out, out)  # unused by the kernel
-    fused_reduce = (
-        fused_reduce
-        and num_kv_splits > 1
-        and one_query_a_seq
-        and num_q_blocks * num_kv_heads <= ARRIVALS_SIZE
-    )
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_kv_splits)](
         out,
         *partials,
-        arrival_counters(q.device, ARRIVALS_SIZE)
-        if fused_reduce
-        else seq_lens,  # unread without FUSED_REDUCE
         q,
         k_cache,
         v_cache,
@@ -471,11 +439,10 @@ def paged_attention(
         NUM_KV_SPLITS=num_kv_splits,
         KV_FP8=kv_fp8,
         ONE_QUERY_A_SEQ=one_query_a_seq,
-        FUSED_REDUCE=fused_reduce,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    if num_kv_splits > 1 and not fused_reduce:
+    if num_kv_splits > 1:
         reduce_splits(out, partials, query_start_loc, num_seqs, head_dim_pad)
     return out
 
