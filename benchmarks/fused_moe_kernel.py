@@ -72,6 +72,21 @@ from vtllm.worker.layers.moe import RouterSpec, select_experts  # noqa: E402
 from vtllm.worker.platform import detect_platform  # noqa: E402
 
 
+def _random_calls(args, num_tokens: int, device) -> tuple:
+    """``(x [T, H] bf16, weights [T, k], ids)``: equal routing weights and 20 random top-k
+    id tensors ``[T, k]`` int32, one a call of a graph (so that L2 does not hold the
+    experts between calls)."""
+    x = torch.randn(num_tokens, args.hidden, device=device).bfloat16()
+    ids = [
+        torch.stack([torch.randperm(args.experts, device=device)[: args.top_k] for _ in x]).to(
+            torch.int32
+        )
+        for _ in range(20)
+    ]
+    weights = torch.full((num_tokens, args.top_k), 1.0 / args.top_k, device=device)
+    return x, weights, ids
+
+
 def _time_ms(fn, iters: int, *args) -> float:
     times = []
     for _ in range(iters):
@@ -98,18 +113,11 @@ def sweep_decode(args, w13, w2, router) -> None:
     if args.fp8:
         (w13, s13), (w2, s2) = (quantize_rows(w, platform.fp8_dtype) for w in (w13, w2))
         scales = (ExpertScales(s13, None), ExpertScales(s2, None))
-    device, hidden, experts = platform.device, args.hidden, args.experts
+    device, hidden = platform.device, args.hidden
     spec = RouterSpec(args.top_k, round_weights=True)  # Qwen3-MoE's router
     gemv_tiles, down_tiles = decode_kernels._gemv_tiles, decode_kernels._down_sum_tiles
     for num_tokens in args.tokens:
-        x = torch.randn(num_tokens, hidden, device=device).bfloat16()
-        ids = [  # a different top-k per call of the graph
-            torch.stack([torch.randperm(experts, device=device)[: args.top_k] for _ in x]).to(
-                torch.int32
-            )
-            for _ in range(20)
-        ]
-        weights = torch.full((num_tokens, args.top_k), 1.0 / args.top_k, device=device)
+        x, weights, ids = _random_calls(args, num_tokens, device)
 
         def experts_only(i, x=x, weights=weights, ids=ids):
             return fused_moe(x, w13, w2, weights, ids[i], "silu", "gemv", *scales)
@@ -209,15 +217,8 @@ def sweep_gemm(args, w13, w2) -> None:
     gemm_tiles = moe_kernels._gemm_tiles
     expert_bytes = 3 * args.inter * hidden * 2
     for num_tokens in args.tokens:
-        x = torch.randn(num_tokens, hidden, device=device).bfloat16()
-        ids = [
-            torch.stack([torch.randperm(experts, device=device)[: args.top_k] for _ in x]).to(
-                torch.int32
-            )
-            for _ in range(20)
-        ]
+        x, weights, ids = _random_calls(args, num_tokens, device)
         touched = sum(int(torch.unique(one).numel()) for one in ids) / len(ids)
-        weights = torch.full((num_tokens, args.top_k), 1.0 / args.top_k, device=device)
 
         def experts_only(i, x=x, weights=weights, ids=ids):
             return fused_moe(x, w13, w2, weights, ids[i], "silu", "gemm")
@@ -253,18 +254,11 @@ def compare_w8a8(args, w13, w2) -> None:
     from vtllm.worker.layers.fp8 import quantize_blocks, quantize_rows
 
     platform = detect_platform(0)
-    device, hidden, experts, fp8 = platform.device, args.hidden, args.experts, platform.fp8_dtype
+    device, fp8 = platform.device, platform.fp8_dtype
     quantised = {"row": [quantize_rows(w, fp8) for w in (w13, w2)]}
     quantised["block-128"] = [quantize_blocks(w, (128, 128), fp8) for w in (w13, w2)]
     for num_tokens in args.tokens:
-        x = torch.randn(num_tokens, hidden, device=device).bfloat16()
-        ids = [
-            torch.stack([torch.randperm(experts, device=device)[: args.top_k] for _ in x]).to(
-                torch.int32
-            )
-            for _ in range(20)
-        ]
-        weights = torch.full((num_tokens, args.top_k), 1.0 / args.top_k, device=device)
+        x, weights, ids = _random_calls(args, num_tokens, device)
         exact = fused_moe(x, w13, w2, weights, ids[0], "silu", "gemm").float()
         cases = [("bf16", (w13, w2), {})]
         for scale_kind, ((q13, s13), (q2, s2)) in quantised.items():
