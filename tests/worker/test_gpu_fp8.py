@@ -1,13 +1,14 @@
 """FP8 weights on the GPU (``-m gpu``): the tiny Qwen3 / Qwen3-MoE checkpoints of
 ``test_fp8_weights.py`` in bf16 through the compiled paths (Triton ``fp8_matmul`` for block
 scales, ``torch._scaled_mm`` with per-token FP8 activations for per-row scales on sm_89+,
-the fused-MoE kernel with FP8 experts).
+the fused-MoE kernel with FP8 experts: its grouped GEMMs w8a8, with per-token or per-block
+FP8 activations, where the GPU dots e4m3 natively).
 
 Compared over a prefill and teacher-forced decodes, full-vocab logprobs:
 
 * an FP8 checkpoint against its dequantised twin, both bf16 on the GPU: the weights are the
-  same numbers, so only bf16 rounding (and, on the ``_scaled_mm`` path, the per-token FP8
-  activations) separates them: within ``DEQUANT_ATOL``;
+  same numbers, so only bf16 rounding (and, on the ``_scaled_mm`` path and in the w8a8
+  experts, the FP8 activations) separates them: within ``DEQUANT_ATOL``;
 * ``--quantization fp8`` against the bf16 original on the GPU: within ``ONLINE_ATOL``.
 
 Each test prints its worst logprob difference (``-rP`` shows it).
@@ -25,7 +26,7 @@ from .tiny_models import make_hf_model
 
 pytestmark = pytest.mark.gpu
 
-DEQUANT_ATOL = 0.1  # bf16 rounding of 2 tiny layers, plus FP8 activations on _scaled_mm
+DEQUANT_ATOL = 0.1  # bf16 rounding of 2 tiny layers, plus FP8 activations (_scaled_mm, w8a8)
 ONLINE_ATOL = 0.15  # the above plus the weights' own e4m3 rounding
 
 
