@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from vtllm.worker.kernels.fp8_quant import dequantize_fp8_ref, quantize_fp8, quantize_fp8_ref
 
@@ -44,6 +46,43 @@ def test_round_trip_error_is_e4m3_rounding(device, generator):
         assert bool(((back - x).abs() <= limit).all())
         # every row (group) reaches the format's max: the scale is amax / 448
         assert float(x_fp8.float().abs().amax()) == 448.0
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rows=st.integers(1, 4),
+    k=st.integers(1, 300),
+    group=st.sampled_from([None, 16, 32, 128]),
+    magnitude=st.sampled_from([1e-6, 1.0, 3e4]),
+    fp8_dtype=st.sampled_from([torch.float8_e4m3fn, torch.float8_e4m3fnuz]),
+    seed=st.integers(0, 2**16),
+)
+def test_quantize_properties(rows, k, group, magnitude, fp8_dtype, seed, device):
+    """Any shape, group and scale: the kernel equals the reference (normal codes exactly);
+    each group's largest |x| maps to the format's max; every code is finite and within
+    ±max; the round trip keeps e4m3's precision; quantising the dequantised values again
+    gives the same codes (the grid is a fixed point)."""
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)) * magnitude
+    x = x.to(device)
+    codes, scale = quantize_fp8(x, fp8_dtype, group)
+    ref_codes, ref_scale = quantize_fp8_ref(x, fp8_dtype, group)
+    finfo = torch.finfo(fp8_dtype)
+    torch.testing.assert_close(scale, ref_scale, atol=0, rtol=1e-6)
+    normal = ref_codes.float().abs() >= finfo.smallest_normal
+    assert torch.equal(codes.float()[normal], ref_codes.float()[normal])
+    values = ref_codes.float()
+    assert bool(torch.isfinite(values).all()) and float(values.abs().max()) <= finfo.max
+    width = group or k
+    padded = torch.zeros(rows, -(-k // width) * width, device=values.device)
+    padded[:, :k] = values.abs()
+    assert bool((padded.view(rows, -1, width).amax(-1) == finfo.max).all())
+    back = dequantize_fp8_ref(ref_codes, ref_scale, group)
+    step = scale.repeat_interleave(width, 1)[:, :k] * finfo.smallest_normal / 8
+    assert bool(((back - x).abs() <= x.abs() * 2**-4 + step).all())
+    again, again_scale = quantize_fp8_ref(back, fp8_dtype, group)
+    assert torch.equal(again.float(), ref_codes.float())
 
 
 def test_empty_and_bad_inputs(device):
