@@ -33,7 +33,9 @@ default tiles):
 ``--tokens 64 256 1024 8192``): the gate/up GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, warps,
 stages) with the down GEMM at its default, then the down GEMM's with the gate/up at its
 default (BLOCK_M is shared: one alignment serves both), each row with the bytes of the
-experts the call touches and the fraction of ``--peak-gbps`` it streams them at.
+experts the call touches and the fraction of ``--peak-gbps`` it streams them at. With
+``--fp8`` the experts are e4m3 and the GEMMs w8a8 (``--block-scales``: 128×128 blocks, else
+one scale a row); BLOCK_K 256 joins the sweep with row scales.
 
 ``--w8a8`` times the grouped path (``--tokens 256 1024 8192``) over bf16 experts, then
 e4m3 experts (per-row and 128×128 block scales) dotted in bf16 (w8a16: each weight tile
@@ -212,26 +214,40 @@ def sweep_gemm(args, w13, w2) -> None:
     configuration (see the module docstring), graph-timed, a fresh top-k per call."""
     import itertools
 
+    from vtllm.worker.kernels.moe_common import ExpertScales
+    from vtllm.worker.layers.fp8 import quantize_blocks, quantize_rows
+
     platform = detect_platform(0)
     device, hidden, experts = platform.device, args.hidden, args.experts
     gemm_tiles = moe_kernels._gemm_tiles
-    expert_bytes = 3 * args.inter * hidden * 2
+    extra, k_steps = {}, (64, 128)
+    if args.fp8:  # e4m3 experts, w8a8 (per-row scales, or 128x128 blocks)
+        block = (128, 128) if args.block_scales else None
+        fp8 = platform.fp8_dtype
+        if block is None:
+            (w13, s13), (w2, s2) = (quantize_rows(w, fp8) for w in (w13, w2))
+        else:
+            (w13, s13), (w2, s2) = (quantize_blocks(w, block, fp8) for w in (w13, w2))
+        extra = dict(w13_scales=ExpertScales(s13, block), w2_scales=ExpertScales(s2, block))
+        extra["fp8_activations"] = True
+        k_steps = (64, 128) if block else (64, 128, 256)
+    expert_bytes = 3 * args.inter * hidden * w13.element_size()
     for num_tokens in args.tokens:
         x, weights, ids = _random_calls(args, num_tokens, device)
         touched = sum(int(torch.unique(one).numel()) for one in ids) / len(ids)
 
         def experts_only(i, x=x, weights=weights, ids=ids):
-            return fused_moe(x, w13, w2, weights, ids[i], "silu", "gemm")
+            return fused_moe(x, w13, w2, weights, ids[i], "silu", "gemm", **extra)
 
         pairs = num_tokens * args.top_k
         default = (gemm_tiles(pairs, experts, True), gemm_tiles(pairs, experts, False))
         configs = [default] + [
             (g, default[1])
-            for g in itertools.product((16, 32, 64, 128), (64, 128), (64, 128), (4, 8), (3, 4))
+            for g in itertools.product((16, 32, 64, 128), (64, 128), k_steps, (4, 8), (3, 4))
         ]
         configs += [
             (default[0], (default[0][0], *d))
-            for d in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))
+            for d in itertools.product((64, 128), k_steps, (4, 8), (3, 4))
         ]
         for gate_up, down in configs:
             moe_kernels._gemm_tiles = lambda _p, _e, gated, g=gate_up, d=down: g if gated else d
@@ -294,7 +310,12 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="decode-path configurations")
     parser.add_argument("--sweep-gemm", action="store_true", help="grouped-GEMM configurations")
     parser.add_argument("--sweep-router", action="store_true", help="router configurations")
-    parser.add_argument("--fp8", action="store_true", help="--sweep over e4m3 experts, row scales")
+    parser.add_argument(
+        "--fp8", action="store_true", help="--sweep / --sweep-gemm over e4m3 experts (row scales)"
+    )
+    parser.add_argument(
+        "--block-scales", action="store_true", help="with --fp8 --sweep-gemm: 128x128 blocks"
+    )
     parser.add_argument("--w8a8", action="store_true", help="grouped GEMMs: bf16, w8a16, w8a8")
     args = parser.parse_args()
     device = torch.device("cuda")

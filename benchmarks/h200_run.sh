@@ -47,6 +47,8 @@
 #                 configurations at 1 and 8 tokens vs the router GEMM + routing kernel
 #   moe-gemm-sweep  its --sweep-gemm: grouped-GEMM launch configurations at 256, 64, 1024
 #                 and 8192 tokens
+#   moe-gemm-sweep-w8a8  its --sweep-gemm --fp8 (w8a8) with row, then 128x128 block scales,
+#                 at $MOE_GEMM_TOKENS (default "256 8192")
 #   moe-w8a8      its --w8a8: the grouped GEMMs over bf16, w8a16 and w8a8 (e4m3 activations)
 #                 experts, per-row and 128x128 block scales, at 256, 1024 and 8192 tokens
 #   gemv-sweep    benchmarks/gemv_kernel.py --sweep: the small-batch GEMV's launch
@@ -228,6 +230,12 @@ for t in sorted({r['tokens'] for r in rows}):
       timeout 300 python3 benchmarks/fused_moe_kernel.py --sweep-gemm --tokens 256 64 1024 8192 \
         >> "$OUT/moe_gemm_sweep.jsonl" 2>> "$OUT/moe_gemm_sweep.log"
       grep -E '"default": true' "$OUT/moe_gemm_sweep.jsonl" ;;
+    moe-gemm-sweep-w8a8)
+      for scales in "" --block-scales; do
+        timeout 280 python3 benchmarks/fused_moe_kernel.py --sweep-gemm --fp8 $scales \
+          --tokens ${MOE_GEMM_TOKENS:-256 8192} >> "$OUT/moe_gemm_sweep_w8a8.jsonl" 2>> "$OUT/moe_gemm_sweep_w8a8.log"
+      done
+      grep -E '"default": true' "$OUT/moe_gemm_sweep_w8a8.jsonl" ;;
     moe-w8a8)
       timeout 240 python3 benchmarks/fused_moe_kernel.py --w8a8 --tokens 256 1024 8192 \
         >> "$OUT/moe_w8a8.jsonl" 2>> "$OUT/moe_w8a8.log"
