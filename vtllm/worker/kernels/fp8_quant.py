@@ -6,7 +6,8 @@ MI300's ``float8_e4m3fnuz``) and ``scale [rows, cdiv(k, group)]`` with::
     scale[r, g] = max(amax(|x[r, g*group : (g+1)*group]|), 1e-12) / fp8_max
     x_fp8[r, c] = clamp(x[r, c] / scale[r, c // group], ±fp8_max)      (round to nearest)
 
-so ``x ≈ x_fp8 * scale`` group by group. ``group = k`` is vLLM's dynamic per-token scaling
+so ``x ≈ x_fp8 * scale`` group by group (``fp8_matmul.dequantize_ref`` with blocks
+``(1, group)`` gives it back). ``group = k`` is vLLM's dynamic per-token scaling
 (the partner of per-row weight scales); ``group = 128`` pairs with 128×128 block-scaled
 weights (DeepSeek / Qwen3-FP8), whose K blocks then see one activation scale each.
 
@@ -124,12 +125,3 @@ def quantize_fp8_ref(
     scale = groups.abs().amax(dim=-1).clamp(min=_MIN_SCALE_AMAX) / fp8_max  # [rows, groups]
     quantized = (groups / scale[..., None]).clamp(-fp8_max, fp8_max)
     return quantized.view(rows, -1)[:, :k].to(fp8_dtype), scale
-
-
-def dequantize_fp8_ref(
-    x_fp8: torch.Tensor, scale: torch.Tensor, group: int | None = None
-) -> torch.Tensor:
-    """fp32 ``x_fp8 * scale`` group by group (``[rows, k]``)."""
-    rows, k = x_fp8.shape
-    group = k if group is None else group
-    return x_fp8.float() * scale.repeat_interleave(group, dim=1)[:, :k]

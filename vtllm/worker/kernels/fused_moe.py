@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 
 from vtllm.worker.kernels._triton import max_shared_memory, tl, triton
-from vtllm.worker.kernels.fp8_matmul import check_scale_block
-from vtllm.worker.kernels.fp8_quant import dequantize_fp8_ref, quantize_fp8, quantize_fp8_ref
+from vtllm.worker.kernels.fp8_matmul import check_scale_block, dequantize_ref
+from vtllm.worker.kernels.fp8_quant import quantize_fp8, quantize_fp8_ref
 from vtllm.worker.kernels.fused_moe_decode import moe_decode
 from vtllm.worker.kernels.moe_align import align_pairs_by_expert
 from vtllm.worker.kernels.moe_common import (
@@ -333,8 +333,9 @@ def fused_moe_ref(
     w8a8 = fp8_activations and w13_scales is not None and w2_scales is not None
 
     def as_w8a8_input(rows: torch.Tensor, scales: ExpertScales, fp8_dtype: torch.dtype):
-        group = None if scales.block is None else scales.block[1]
-        return dequantize_fp8_ref(*quantize_fp8_ref(rows, fp8_dtype, group), group)
+        group = rows.shape[1] if scales.block is None else scales.block[1]
+        codes, scale = quantize_fp8_ref(rows, fp8_dtype, group)
+        return dequantize_ref(codes, scale, (1, group), torch.float32)
 
     acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     for expert in torch.unique(topk_ids).tolist():
