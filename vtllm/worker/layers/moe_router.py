@@ -9,7 +9,7 @@ before each capture), with the layer's own router weight:
    routing kernel do (the same experts' scores, the same weights; with the norm folded,
    the same residual sum and normed rows as the RMSNorm kernel);
 2. the candidates and the unfused kernels (RMSNorm, router GEMM, routing) are timed in
-   device graphs; the fastest candidate is used where it takes under ``_WIN`` of the
+   device graphs; the fastest candidate is used where it takes under ``TIMED_WIN`` of the
    unfused time.
 
 One log line per decision, with the times. Inside a graph capture that no eager call
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vtllm.worker.kernels.moe_routing import RouterTiles
+from vtllm.worker.platform import TIMED_WIN
 
 if TYPE_CHECKING:
     from vtllm.worker.layers.moe import RouterSpec
@@ -38,7 +39,6 @@ CANDIDATE_TILES = (  # the first is what session 31 measured (8.3 µs on an H100
     RouterTiles(block_n=2, block_k=1024, num_warps=1, packed_topk=True),
     RouterTiles(block_n=4, block_k=1024, num_warps=2, packed_topk=True),
 )
-_WIN = 0.95  # the fused kernel must take less than this share of the unfused kernels' time
 _CHOSEN: dict[tuple, RouterTiles | None] = {}
 
 
@@ -79,7 +79,7 @@ def fused_router_tiles(
     unfused_us = platform.graph_us(_timed(x, router_weight, spec, norm, None))
     timed = {t: platform.graph_us(_timed(x, router_weight, spec, norm, t)) for t in passing}
     best = min(timed, key=timed.__getitem__)
-    chosen = best if timed[best] < _WIN * unfused_us else None
+    chosen = best if timed[best] < TIMED_WIN * unfused_us else None
     _CHOSEN[key] = chosen
     logger.info(
         "%s, one token, device graphs: unfused %.1f µs, fused %s → %s",

@@ -5,7 +5,7 @@ decided by timing both on this device at start-up.
 weight shape; for each shape it times, inside device graphs (as decode steps replay them),
 one row through ``F.linear`` and through each of ``kernels/gemv.py``'s candidate tiles,
 cycling over up to ``_DISTINCT_WEIGHTS`` layers of that shape so that L2 does not hold the
-weight; where the best GEMV takes less than ``_WIN`` of the library's time, every layer of
+weight; where the best GEMV takes less than ``TIMED_WIN`` of the library's time, every layer of
 the shape gets ``GemvMethod`` (products of more rows still take ``F.linear``). One log line
 says what was timed and chosen. Only with decode graphs: eagerly, Triton's launch cost
 (tens of µs from Python) would eat the gain.
@@ -38,13 +38,13 @@ from torch import nn
 from vtllm.worker.kernels.gemv import CANDIDATE_TILES, MAX_GEMV_ROWS, GemvTiles, gemv
 from vtllm.worker.layers.embedding import ParallelLMHead
 from vtllm.worker.layers.linear import ColumnParallelLinear, LinearMethod, RowParallelLinear
+from vtllm.worker.platform import TIMED_WIN
 
 logger = logging.getLogger(__name__)
 
 _DISTINCT_WEIGHTS = 16  # weights cycled through per timing (past an H200's 50 MB L2)
 _CALLS_PER_GRAPH = 32
 _REPLAYS = 5
-_WIN = 0.95  # the GEMV must take less than this share of the library's time
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class ShapeTiming:
 
     @property
     def gemv_wins(self) -> bool:
-        return self.gemv_us < _WIN * self.own_us
+        return self.gemv_us < TIMED_WIN * self.own_us
 
     def describe(self) -> str:
         n, k = self.shape
@@ -289,10 +289,10 @@ def tune_fused_decode(
     fused_us, pdl = plain_us, ""
     if _pdl_available(platform):
         pdl_us, why_not = time_chain_with_pdl(platform, layers, tiles)
-        if pdl_us is not None and pdl_us < _WIN * fused_us:
+        if pdl_us is not None and pdl_us < TIMED_WIN * fused_us:
             tiles, fused_us = dataclasses.replace(tiles, pdl=True), pdl_us
         pdl = f", with PDL {pdl_us:.1f} µs" if pdl_us is not None else f", no PDL ({why_not})"
-    wins = fused_us < _WIN * unfused_us
+    wins = fused_us < TIMED_WIN * unfused_us
     logger.info(
         "fused decode chain (1 row, device graphs): a layer's dense part %.1f µs unfused, "
         "%.1f µs fused%s → %s",
