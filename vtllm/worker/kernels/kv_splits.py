@@ -111,11 +111,10 @@ def reduce_splits(
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # from split_partials
     query_start_loc: torch.Tensor,  # [num_seqs + 1]
     num_seqs: int,
-    head_dim_pad: int,
 ) -> None:
     """Merges the splits of every real token into ``out`` (padding rows are left alone)."""
     partial_out, partial_max, partial_sum = partials
-    num_tokens, num_heads, num_kv_splits = partial_max.shape
+    num_tokens, num_heads, num_kv_splits, head_dim_pad = partial_out.shape
     _reduce_splits_kernel[(num_tokens, num_heads)](
         out,
         partial_out,

@@ -443,7 +443,7 @@ def paged_attention(
         num_stages=tiles.num_stages,
     )
     if num_kv_splits > 1:
-        reduce_splits(out, partials, query_start_loc, num_seqs, head_dim_pad)
+        reduce_splits(out, partials, query_start_loc, num_seqs)
     return out
 
 
