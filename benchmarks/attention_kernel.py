@@ -213,16 +213,15 @@ def main() -> None:
     parser.add_argument("--splits", action="store_true", help="decodes over KV split counts")
     args = parser.parse_args()
     detect_platform(0).set_device()
+    decodes = [tuple(int(x) for x in workload.split("x")) for workload in args.decode]
     for shape in args.shapes:
         hf = MODEL_SHAPES[shape]
         if args.splits:
-            for workload in args.decode:
-                batch, context = (int(x) for x in workload.split("x"))
+            for batch, context in decodes:
                 bench_splits(shape, hf, batch, context)
             continue
         bench_prefill(shape, hf, args.prefill_len, args.sweep)
-        for workload in args.decode:
-            batch, context = (int(x) for x in workload.split("x"))
+        for batch, context in decodes:
             bench_decode(shape, hf, batch, context, args.sweep)
 
 
