@@ -89,6 +89,19 @@ def _random_calls(args, num_tokens: int, device) -> tuple:
     return x, weights, ids
 
 
+def _fp8_experts(w13, w2, fp8_dtype, block) -> tuple:
+    """``(w13, w2, scales)``: the experts in e4m3 with one scale a row (``block`` None, as
+    ``--quantization fp8`` makes them) or per ``block``, and ``fused_moe``'s scale kwargs."""
+    from vtllm.worker.kernels.moe_common import ExpertScales
+    from vtllm.worker.layers.fp8 import quantize_blocks, quantize_rows
+
+    if block is None:
+        (w13, s13), (w2, s2) = (quantize_rows(w, fp8_dtype) for w in (w13, w2))
+    else:
+        (w13, s13), (w2, s2) = (quantize_blocks(w, block, fp8_dtype) for w in (w13, w2))
+    return w13, w2, dict(w13_scales=ExpertScales(s13, block), w2_scales=ExpertScales(s2, block))
+
+
 def _time_ms(fn, iters: int, *args) -> float:
     times = []
     for _ in range(iters):
@@ -107,14 +120,11 @@ def sweep_decode(args, w13, w2, router) -> None:
     ``--fp8`` the experts are e4m3 with one scale a row (``--quantization fp8``)."""
     import itertools
 
-    from vtllm.worker.kernels.moe_common import ExpertScales
-    from vtllm.worker.layers.fp8 import quantize_rows
-
     platform = detect_platform(0)
     scales = (None, None)
     if args.fp8:
-        (w13, s13), (w2, s2) = (quantize_rows(w, platform.fp8_dtype) for w in (w13, w2))
-        scales = (ExpertScales(s13, None), ExpertScales(s2, None))
+        w13, w2, kwargs = _fp8_experts(w13, w2, platform.fp8_dtype, None)
+        scales = (kwargs["w13_scales"], kwargs["w2_scales"])
     device, hidden = platform.device, args.hidden
     spec = RouterSpec(args.top_k, round_weights=True)  # Qwen3-MoE's router
     gemv_tiles, down_tiles = decode_kernels._gemv_tiles, decode_kernels._down_sum_tiles
@@ -214,21 +224,13 @@ def sweep_gemm(args, w13, w2) -> None:
     configuration (see the module docstring), graph-timed, a fresh top-k per call."""
     import itertools
 
-    from vtllm.worker.kernels.moe_common import ExpertScales
-    from vtllm.worker.layers.fp8 import quantize_blocks, quantize_rows
-
     platform = detect_platform(0)
     device, hidden, experts = platform.device, args.hidden, args.experts
     gemm_tiles = moe_kernels._gemm_tiles
     extra, k_steps = {}, (64, 128)
     if args.fp8:  # e4m3 experts, w8a8 (per-row scales, or 128x128 blocks)
         block = (128, 128) if args.block_scales else None
-        fp8 = platform.fp8_dtype
-        if block is None:
-            (w13, s13), (w2, s2) = (quantize_rows(w, fp8) for w in (w13, w2))
-        else:
-            (w13, s13), (w2, s2) = (quantize_blocks(w, block, fp8) for w in (w13, w2))
-        extra = dict(w13_scales=ExpertScales(s13, block), w2_scales=ExpertScales(s2, block))
+        w13, w2, extra = _fp8_experts(w13, w2, platform.fp8_dtype, block)
         extra["fp8_activations"] = True
         k_steps = (64, 128) if block else (64, 128, 256)
     expert_bytes = 3 * args.inter * hidden * w13.element_size()
@@ -266,20 +268,15 @@ def sweep_gemm(args, w13, w2) -> None:
 
 def compare_w8a8(args, w13, w2) -> None:
     """JSON lines: microseconds per grouped-GEMM call, bf16 vs w8a16 vs w8a8 experts."""
-    from vtllm.worker.kernels.moe_common import ExpertScales
-    from vtllm.worker.layers.fp8 import quantize_blocks, quantize_rows
-
     platform = detect_platform(0)
     device, fp8 = platform.device, platform.fp8_dtype
-    quantised = {"row": [quantize_rows(w, fp8) for w in (w13, w2)]}
-    quantised["block-128"] = [quantize_blocks(w, (128, 128), fp8) for w in (w13, w2)]
+    quantised = {"row": _fp8_experts(w13, w2, fp8, None)}
+    quantised["block-128"] = _fp8_experts(w13, w2, fp8, (128, 128))
     for num_tokens in args.tokens:
         x, weights, ids = _random_calls(args, num_tokens, device)
         exact = fused_moe(x, w13, w2, weights, ids[0], "silu", "gemm").float()
         cases = [("bf16", (w13, w2), {})]
-        for scale_kind, ((q13, s13), (q2, s2)) in quantised.items():
-            block = None if scale_kind == "row" else (128, 128)
-            scales = dict(w13_scales=ExpertScales(s13, block), w2_scales=ExpertScales(s2, block))
+        for scale_kind, (q13, q2, scales) in quantised.items():
             cases.append((f"w8a16 {scale_kind}", (q13, q2), scales))
             cases.append((f"w8a8 {scale_kind}", (q13, q2), scales | {"fp8_activations": True}))
         for name, (a, b), extra in cases:
