@@ -14,6 +14,25 @@ from vtllm.worker.kernels.fp8_quant import quantize_fp8, quantize_fp8_ref
 from .marks import gpu
 
 
+def _kernel_matches_reference(x, fp8_dtype, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's codes and scales against the reference's (returned): the same e4m3
+    values, normal ones exactly (rounded in fp32 first), subnormals to one step (Triton's
+    interpreter rounds some of those its own way; a GPU matches exactly)."""
+    rows, k = x.shape
+    actual, actual_scale = quantize_fp8(x, fp8_dtype, group)
+    expected, expected_scale = quantize_fp8_ref(x, fp8_dtype, group)
+    assert actual.dtype == fp8_dtype and actual.shape == (rows, k)
+    assert actual_scale.shape == (rows, -(-k // (group or k)))
+    assert actual_scale.dtype == torch.float32
+    torch.testing.assert_close(actual_scale, expected_scale, atol=0, rtol=1e-6)
+    finfo = torch.finfo(fp8_dtype)
+    normal = expected.float().abs() >= finfo.smallest_normal
+    assert torch.equal(actual.float()[normal], expected.float()[normal])
+    subnormal_step = finfo.smallest_normal / 8
+    torch.testing.assert_close(actual.float(), expected.float(), atol=subnormal_step, rtol=0)
+    return expected, expected_scale
+
+
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
 @pytest.mark.parametrize(
     ("rows", "k", "group"),
@@ -22,19 +41,7 @@ from .marks import gpu
 def test_matches_reference(rows, k, group, fp8_dtype, device, generator):
     x = (torch.randn(rows, k, generator=generator) * 3).to(device)
     x[0, : min(k, 16)] = 0.0  # an all-zero group (the first) when group == 16
-    actual, actual_scale = quantize_fp8(x, fp8_dtype, group)
-    expected, expected_scale = quantize_fp8_ref(x, fp8_dtype, group)
-    num_groups = -(-k // (group or k))
-    assert actual.dtype == fp8_dtype and actual.shape == (rows, k)
-    assert actual_scale.shape == (rows, num_groups) and actual_scale.dtype == torch.float32
-    torch.testing.assert_close(actual_scale, expected_scale, atol=0, rtol=1e-6)
-    # the same e4m3 values: normal ones exactly (rounded in fp32 first), subnormals to one
-    # step (Triton's interpreter rounds some of those its own way; a GPU matches exactly)
-    finfo = torch.finfo(fp8_dtype)
-    normal = expected.float().abs() >= finfo.smallest_normal
-    assert torch.equal(actual.float()[normal], expected.float()[normal])
-    subnormal_step = finfo.smallest_normal / 8
-    torch.testing.assert_close(actual.float(), expected.float(), atol=subnormal_step, rtol=0)
+    _kernel_matches_reference(x, fp8_dtype, group)
 
 
 def test_round_trip_error_is_e4m3_rounding(device, generator):
@@ -67,12 +74,8 @@ def test_quantize_properties(rows, k, group, magnitude, fp8_dtype, seed, device)
     gives the same codes (the grid is a fixed point)."""
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)) * magnitude
     x = x.to(device)
-    codes, scale = quantize_fp8(x, fp8_dtype, group)
-    ref_codes, ref_scale = quantize_fp8_ref(x, fp8_dtype, group)
+    ref_codes, ref_scale = _kernel_matches_reference(x, fp8_dtype, group)
     finfo = torch.finfo(fp8_dtype)
-    torch.testing.assert_close(scale, ref_scale, atol=0, rtol=1e-6)
-    normal = ref_codes.float().abs() >= finfo.smallest_normal
-    assert torch.equal(codes.float()[normal], ref_codes.float()[normal])
     values = ref_codes.float()
     assert bool(torch.isfinite(values).all()) and float(values.abs().max()) <= finfo.max
     width = group or k
@@ -80,9 +83,9 @@ def test_quantize_properties(rows, k, group, magnitude, fp8_dtype, seed, device)
     padded[:, :k] = values.abs()
     assert bool((padded.view(rows, -1, width).amax(-1) == finfo.max).all())
     back = dequantize_ref(ref_codes, ref_scale, (1, group or k), torch.float32)
-    step = scale.repeat_interleave(width, 1)[:, :k] * finfo.smallest_normal / 8
+    step = ref_scale.repeat_interleave(width, 1)[:, :k] * finfo.smallest_normal / 8
     assert bool(((back - x).abs() <= x.abs() * 2**-4 + step).all())
-    again, again_scale = quantize_fp8_ref(back, fp8_dtype, group)
+    again, _ = quantize_fp8_ref(back, fp8_dtype, group)
     assert torch.equal(again.float(), ref_codes.float())
 
 
