@@ -204,7 +204,11 @@ def sweep_router(args, routers) -> None:
             print(json.dumps({"tokens": num_tokens, "router": name, "us": round(us, 2)}),
                   flush=True)  # fmt: skip
         default = RouterTiles()
-        grid = itertools.product((2, 4, 8), (1024,), (1, 2, 4), (False, True))
+        grid = [  # (block_n, block_k, warps, packed top-k, rank top-k)
+            (*g, topk == "packed", topk == "rank")
+            for g in itertools.product((2, 4, 8), (1024,), (1, 2, 4))
+            for topk in ("two-pass", "packed", "rank")
+        ]
         for tiles in [default, *(RouterTiles(*g) for g in grid if RouterTiles(*g) != default)]:
 
             def fused(i, x=x, tiles=tiles):
@@ -242,7 +246,11 @@ def sweep_gemm(args, w13, w2) -> None:
             return fused_moe(x, w13, w2, weights, ids[i], "silu", "gemm", **extra)
 
         pairs = num_tokens * args.top_k
-        default = (gemm_tiles(pairs, experts, True), gemm_tiles(pairs, experts, False))
+        fp8_modes = (bool(args.fp8), bool(args.fp8 and args.block_scales))
+        default = (
+            gemm_tiles(pairs, experts, True, *fp8_modes),
+            gemm_tiles(pairs, experts, False, *fp8_modes),
+        )
         configs = [default] + [
             (g, default[1])
             for g in itertools.product((16, 32, 64, 128), (64, 128), k_steps, (4, 8), (3, 4))
@@ -252,7 +260,7 @@ def sweep_gemm(args, w13, w2) -> None:
             for d in itertools.product((64, 128), k_steps, (4, 8), (3, 4))
         ]
         for gate_up, down in configs:
-            moe_kernels._gemm_tiles = lambda _p, _e, gated, g=gate_up, d=down: g if gated else d
+            moe_kernels._gemm_tiles = lambda _p, _e, gated, *_, g=gate_up, d=down: g if gated else d
             try:
                 us = platform.graph_us(experts_only, calls=10, replays=5)
                 gbps = touched * expert_bytes / us / 1e3

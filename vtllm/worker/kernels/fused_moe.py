@@ -172,18 +172,37 @@ def _fused_moe_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
 
 
-def _gemm_tiles(num_pairs: int, num_experts: int, gated: bool) -> tuple[int, ...]:
+def _gemm_tiles(
+    num_pairs: int,
+    num_experts: int,
+    gated: bool,
+    fp8_activations: bool = False,
+    block_scales: bool = False,
+) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMM by the mean
     number of pairs per expert; ``gated``: the gate/up GEMM (two weight tiles a K step).
     BLOCK_M is the gate/up's (one alignment serves both GEMMs). From an H200 sweep at a
     Qwen3-30B-A3B layer (``fused_moe_kernel.py --sweep-gemm``, graph-timed, 2026-12-03):
     64 tokens 393 → 380 µs, 256 tokens 589 → 475 (gate/up) and → 555 (down) µs, 1024
     tokens 785 → 653 / 721 µs, 8192 tokens 3,419 → 3,252 / 2,633 µs (each GEMM's change
-    measured with the other at the old default)."""
+    measured with the other at the old default).
+
+    e4m3 activations (``fp8_activations``, w8a8; ``block_scales``: 128x128 weight blocks)
+    take 128-wide K steps where the H200 sweep of 2026-12-06 (``--sweep-gemm --fp8
+    [--block-scales]``, same layer) found them faster, each GEMM with the other at the
+    bf16 tiles: 256 tokens, row scales gate/up 238.6 → 210.0 µs and down → 227.6, block
+    scales 314.7 → 255.5 and → 284.0; 8192 tokens, row scales down 1,338.9 → 1,261.1
+    (gate/up: no 64-row tile was faster), block scales 2,526.2 → 2,054.4 and → 2,241.6."""
     if num_pairs <= 4 * num_experts:  # decode-sized batches: 16-row tiles, K 128
         return 16, 128, 128, 4, 3
     if num_pairs <= 128 * num_experts:
+        if fp8_activations:
+            return (64, 64, 128, 4, 3) if gated else (64, 128, 128, 8, 3)
         return (64, 64, 64, 4, 3) if gated else (64, 128, 64, 4, 3)
+    if fp8_activations and block_scales:
+        return (64, 64, 128, 4, 3) if gated else (64, 128, 128, 8, 3)
+    if fp8_activations:
+        return (64, 128, 64, 8, 4) if gated else (64, 128, 128, 4, 3)
     return (64, 128, 64, 8, 4) if gated else (64, 128, 64, 8, 3)
 
 
@@ -228,7 +247,9 @@ def _launch_gemm(
     if fp8_activations:
         a, a_scale = quantize_fp8(a, w.dtype, None if scales.block is None else scales.block[1])
     sorted_pair_ids, block_expert_ids, num_padded, block_m = alignment
-    tiles = (block_m, *_gemm_tiles(num_pairs, w.shape[0], gated)[1:])
+    block_scales = scales is not None and scales.block is not None
+    tiles = _gemm_tiles(num_pairs, w.shape[0], gated, fp8_activations, block_scales)
+    tiles = (block_m, *tiles[1:])
     limit = max_shared_memory(out.device)
     _, block_n, block_k, num_warps, num_stages = fit_shared_memory(
         tiles, a.element_size(), gated, limit
