@@ -106,6 +106,8 @@ def _router_ref(x, gate_weight, top_k, scoring="softmax", renormalize=True, **kw
         (5, 8, 200, 2, "softmax", True, RouterTiles(block_n=1)),  # Mixtral, 8 programs
         (1, 128, 2048, 8, "softmax", True, RouterTiles(packed_topk=True)),
         (3, 60, 96, 4, "sigmoid", False, RouterTiles(block_n=4, packed_topk=True)),
+        (1, 128, 2048, 8, "softmax", True, RouterTiles(rank_topk=True)),
+        (5, 60, 96, 4, "sigmoid", False, RouterTiles(block_n=4, num_warps=2, rank_topk=True)),
     ],
 )
 def test_fused_router_matches_linear_then_reference(
@@ -139,23 +141,24 @@ def test_packed_top_k_picks_the_lowest_id_on_ties(device):
     gate = torch.zeros(6, 4, device=device)
     gate[[1, 4], 0] = 3.0  # experts 1 and 4 lead, equal; then 0, 2, 3, 5 equal
     x = torch.tensor([[1.0, 0.0, 0.0, 0.0]], device=device)
-    for packed in (False, True):
-        _, ids = moe_router_route(x, gate, 4, tiles=RouterTiles(packed_topk=packed))
-        assert ids.tolist() == [[1, 4, 0, 2]]
+    for tiles in (RouterTiles(), RouterTiles(packed_topk=True), RouterTiles(rank_topk=True)):
+        _, ids = moe_router_route(x, gate, 4, tiles=tiles)
+        assert ids.tolist() == [[1, 4, 0, 2]], tiles
 
 
-def test_fused_router_expert_scale_and_rounding(device, generator):
+@pytest.mark.parametrize("tiles", [None, RouterTiles(rank_topk=True)])
+def test_fused_router_expert_scale_and_rounding(tiles, device, generator):
     x = torch.randn(4, 48, generator=generator).to(device)
     gate = torch.randn(16, 48, generator=generator).to(device) / 7
     expert_scale = torch.rand(16, generator=generator).to(device) + 0.5
-    weights, ids = moe_router_route(x, gate, 3, expert_scale=expert_scale)
+    weights, ids = moe_router_route(x, gate, 3, expert_scale=expert_scale, tiles=tiles)
     ref_weights, ref_ids = _router_ref(x, gate, 3, expert_scale=expert_scale)
     assert torch.equal(ids.long().cpu(), ref_ids.cpu())
     torch.testing.assert_close(weights, ref_weights, atol=1e-5, rtol=1e-4)
     # fp16 hidden states: logits and weights rounded to fp16 as the router linear does
     # (fp16, not bf16: the interpreter truncates bf16 casts)
     half_x, half_gate = x.half(), gate.half()
-    rounded, rounded_ids = moe_router_route(half_x, half_gate, 3, round_weights=True)
+    rounded, rounded_ids = moe_router_route(half_x, half_gate, 3, round_weights=True, tiles=tiles)
     ref_rounded, ref_rounded_ids = _router_ref(
         half_x.float(), half_gate.float(), 3, round_weights=False
     )

@@ -50,13 +50,17 @@ def _route_row(
     BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr,
     PACKED_TOPK: tl.constexpr,
+    RANK_TOPK: tl.constexpr = False,
 ):
     """Scores, top-k (lowest id on ties), renormalise, round, scale; store one row.
 
     PACKED_TOPK picks with one reduction a pick instead of two: a 64-bit key per expert,
     the score's bits above (every real score is >= 0, so the bits order as the floats
     do; masked lanes are negative) and ``BLOCK_E - 1 - id`` below, so the largest key is
-    the best score at the lowest id."""
+    the best score at the lowest id. RANK_TOPK (over PACKED_TOPK) picks with no loop:
+    each expert's rank is how many experts beat it (a higher score, or an equal one at a
+    lower id), one reduction over a ``[BLOCK_E, BLOCK_E]`` comparison; the experts of rank
+    < TOP_K are the picks, each stored at its rank, which is the order the loops give."""
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < num_experts
     if SCORING == 0:
@@ -66,6 +70,10 @@ def _route_row(
     else:
         scores = tl.sigmoid(logits)
     scores = tl.where(e_mask, scores, -1.0)  # below every real score (all are >= 0)
+    if RANK_TOPK:
+        _store_ranked(scores, offs_e, e_mask, weights_ptr, ids_ptr, expert_scale_ptr,
+                      round_like_ptr, TOP_K, RENORMALIZE, ROUND, HAS_EXPERT_SCALE)  # fmt: skip
+        return
     offs_k = tl.arange(0, BLOCK_TOPK)
     picked = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
     picked_ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
@@ -96,6 +104,37 @@ def _route_row(
         )
     tl.store(weights_ptr + offs_k, picked.to(weights_ptr.dtype.element_ty), mask=k_mask)
     tl.store(ids_ptr + offs_k, picked_ids, mask=k_mask)
+
+
+@triton.jit
+def _store_ranked(
+    scores,  # [BLOCK_E] fp32, masked lanes -1 (below every real score)
+    offs_e,  # [BLOCK_E] expert ids
+    e_mask,  # [BLOCK_E]
+    weights_ptr,
+    ids_ptr,
+    expert_scale_ptr,
+    round_like_ptr,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROUND: tl.constexpr,
+    HAS_EXPERT_SCALE: tl.constexpr,
+):
+    """``_route_row``'s RANK_TOPK: the TOP_K best experts stored at their ranks."""
+    other = scores[None, :]  # [1, BLOCK_E]: expert j
+    mine = scores[:, None]  # [BLOCK_E, 1]: expert i
+    beats = (other > mine) | ((other == mine) & (offs_e[None, :] < offs_e[:, None]))
+    rank = tl.sum(beats.to(tl.int32), axis=1)  # [BLOCK_E]: experts that beat expert i
+    chosen = e_mask & (rank < TOP_K)
+    picked = tl.where(chosen, scores, 0.0)  # [BLOCK_E]
+    if RENORMALIZE:
+        picked = picked / tl.sum(picked, axis=0)
+    if ROUND:
+        picked = picked.to(round_like_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_EXPERT_SCALE:
+        picked = picked * tl.load(expert_scale_ptr + offs_e, mask=chosen, other=0.0).to(tl.float32)
+    tl.store(weights_ptr + rank, picked.to(weights_ptr.dtype.element_ty), mask=chosen)
+    tl.store(ids_ptr + rank, offs_e.to(tl.int32), mask=chosen)
 
 
 @triton.jit
@@ -178,6 +217,7 @@ def _moe_router_route_kernel(
     NORM: tl.constexpr,  # score RMSNorm(x [+ residual]) (Llama rounding), not x
     HAS_RESIDUAL: tl.constexpr,
     PACKED_TOPK: tl.constexpr,  # _route_row's one-reduction top-k
+    RANK_TOPK: tl.constexpr,  # _route_row's loop-free top-k
     BLOCK_T: tl.constexpr,  # power of two >= num_tokens
     BLOCK_N: tl.constexpr,  # experts a program scores
     BLOCK_K: tl.constexpr,
@@ -237,7 +277,7 @@ def _moe_router_route_kernel(
             _route_row(
                 logits, weights_ptr + t * TOP_K, ids_ptr + t * TOP_K, expert_scale_ptr,
                 logits_ptr, num_experts, TOP_K, SCORING, RENORMALIZE, ROUND,
-                HAS_EXPERT_SCALE, BLOCK_E, BLOCK_TOPK, PACKED_TOPK,
+                HAS_EXPERT_SCALE, BLOCK_E, BLOCK_TOPK, PACKED_TOPK, RANK_TOPK,
             )  # fmt: skip
         tl.atomic_xchg(arrivals_ptr, 0)  # ready for the next launch (and graph replay)
 
@@ -294,12 +334,14 @@ MAX_FUSED_ROUTER_TOKENS = 8
 class RouterTiles:
     """The fused router's launch: ``block_n`` experts a program (cdiv(E, block_n)
     programs), ``block_k`` of the hidden dim a step, ``num_warps``, and the last
-    program's top-k with one reduction a pick (``packed_topk``) or two."""
+    program's top-k with one reduction a pick (``packed_topk``), two, or by rank with no
+    loop (``rank_topk``, over ``packed_topk``)."""
 
     block_n: int = 2
     block_k: int = 1024
     num_warps: int = 4
     packed_topk: bool = False  # one reduction a pick (``_route_row``)
+    rank_topk: bool = False  # each expert's rank in one reduction (``_route_row``)
 
 
 def _check_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, scoring: str) -> None:
@@ -357,7 +399,7 @@ def _launch_router(
         HAS_EXPERT_SCALE=expert_scale is not None,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOPK=triton.next_power_of_2(top_k),
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
-        PACKED_TOPK=tiles.packed_topk,
+        PACKED_TOPK=tiles.packed_topk, RANK_TOPK=tiles.rank_topk,
         BLOCK_T=block_t, BLOCK_N=tiles.block_n,
         BLOCK_K=max(64, min(tiles.block_k, triton.next_power_of_2(hidden)) // block_t),
         num_warps=tiles.num_warps,

@@ -38,6 +38,8 @@ CANDIDATE_TILES = (  # the first is what session 31 measured (8.3 µs on an H100
     RouterTiles(block_n=2, block_k=1024, num_warps=4, packed_topk=True),
     RouterTiles(block_n=2, block_k=1024, num_warps=1, packed_topk=True),
     RouterTiles(block_n=4, block_k=1024, num_warps=2, packed_topk=True),
+    RouterTiles(block_n=2, block_k=1024, num_warps=4, rank_topk=True),
+    RouterTiles(block_n=4, block_k=1024, num_warps=2, rank_topk=True),
 )
 _CHOSEN: dict[tuple, RouterTiles | None] = {}
 
@@ -91,8 +93,8 @@ def fused_router_tiles(
 
 
 def _name(tiles: RouterTiles) -> str:
-    packed = ", packed top-k" if tiles.packed_topk else ""
-    return f"{tiles.block_n}x{tiles.block_k}/{tiles.num_warps}w{packed}"
+    topk = ", rank top-k" if tiles.rank_topk else ", packed top-k" if tiles.packed_topk else ""
+    return f"{tiles.block_n}x{tiles.block_k}/{tiles.num_warps}w{topk}"
 
 
 def _timed(x, router_weight, spec, norm, tiles):
