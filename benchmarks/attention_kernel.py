@@ -19,6 +19,9 @@ calls (no launch cost, as in a decode graph), beside the split count the launche
 its own (``kv_splits.choose_num_kv_splits``):
 
     python3 benchmarks/attention_kernel.py --splits --decode 1x160 1x1024 1x8192 8x1024
+
+``--split-counts 1`` times the single pass alone (e.g. to compare two trees: the script
+imports the ``vtllm`` of the tree it sits in).
 """
 
 from __future__ import annotations
@@ -160,8 +163,10 @@ def bench_decode(shape: str, hf: dict, batch: int, context: int, sweep: bool) ->
     _report({**common, "searched": True}, default, False, searched, kv_bytes=kv_bytes)
 
 
-def bench_splits(shape: str, hf: dict, batch: int, context: int) -> None:
-    """JSON lines: µs a decode call (device graphs) at each split count."""
+def bench_splits(
+    shape: str, hf: dict, batch: int, context: int, counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+) -> None:
+    """JSON lines: µs a decode call (device graphs) at each split count of ``counts``."""
     from vtllm.worker.kernels.kv_splits import choose_num_kv_splits
 
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
@@ -172,7 +177,7 @@ def bench_splits(shape: str, hf: dict, batch: int, context: int) -> None:
     out = torch.empty_like(q)
     platform = detect_platform(0)
     picked = choose_num_kv_splits(batch, batch, kv_heads, context)
-    for splits in (1, 2, 4, 8, 16, 32):
+    for splits in counts:
 
         def run(i, splits=splits):
             paged_attention(q, k_cache, v_cache, loc, lens, table, head_dim**-0.5,
@@ -211,6 +216,8 @@ def main() -> None:
                         help="BATCHxCONTEXT decode workloads")  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="every launch configuration")
     parser.add_argument("--splits", action="store_true", help="decodes over KV split counts")
+    parser.add_argument("--split-counts", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32],
+                        help="with --splits: the split counts timed")  # fmt: skip
     args = parser.parse_args()
     detect_platform(0).set_device()
     decodes = [tuple(int(x) for x in workload.split("x")) for workload in args.decode]
@@ -218,7 +225,7 @@ def main() -> None:
         hf = MODEL_SHAPES[shape]
         if args.splits:
             for batch, context in decodes:
-                bench_splits(shape, hf, batch, context)
+                bench_splits(shape, hf, batch, context, tuple(args.split_counts))
             continue
         bench_prefill(shape, hf, args.prefill_len, args.sweep)
         for batch, context in decodes:

@@ -30,6 +30,9 @@
 #   attn          benchmarks/attention_kernel.py, the default tiles only (both shapes)
 #   attn-splits   benchmarks/attention_kernel.py --splits: batch-1/8 decodes at 160 to 8192
 #                 keys over KV split counts 1-32 (device graphs), beside the launcher's pick
+#   ab-attn       the decode attention alone, this tree against $BASE_TREE (this tree's
+#                 attention_kernel.py copied there): --splits --split-counts 1 8 on the
+#                 Qwen3-0.6B, -30B-A3B and Llama-3-8B shapes at 1x160, 1x1024, 256x1024
 #   attn-sweep    benchmarks/attention_kernel.py: the paged-attention kernel's launch
 #                 configurations on the Llama-3-8B shape (8k prefill vs torch SDPA, decodes)
 #   tput-SHAPE    `vtllm bench throughput` alone (256 prompts [100, 1024]), default flags
@@ -151,6 +154,16 @@ for phase in "$@"; do
       timeout 240 python3 benchmarks/attention_kernel.py --splits --shapes qwen3-0.6b qwen3-30b-a3b \
         --decode 1x160 1x1024 1x8192 8x1024 >> "$OUT/attn_splits.jsonl" 2>> "$OUT/attn_splits.log"
       cut -c1-200 "$OUT/attn_splits.jsonl"; tail -3 "$OUT/attn_splits.log" ;;
+    ab-attn)
+      if [ ! -d "${BASE_TREE:-}" ]; then echo "skip $phase: no \$BASE_TREE"; continue; fi
+      cp benchmarks/attention_kernel.py "$BASE_TREE/benchmarks/"
+      for tree in new base; do
+        dir=$PWD; [ $tree = base ] && dir=$(cd "$BASE_TREE" && pwd)
+        PYTHONPATH=/tmp/site:$dir timeout 100 python3 "$dir/benchmarks/attention_kernel.py" \
+          --splits --split-counts 1 8 --shapes qwen3-0.6b qwen3-30b-a3b llama3-8b \
+          --decode 1x160 1x1024 256x1024 2>> "$OUT/ab_attn.log" | sed "s/^/$tree /" \
+          | tee -a "$OUT/ab_attn.txt" | cut -c1-170
+      done ;;
     attn-sweep)
       timeout 240 python3 benchmarks/attention_kernel.py --sweep --shapes llama3-8b \
         >> "$OUT/attention.jsonl" 2>> "$OUT/attention.log"
