@@ -21,7 +21,9 @@ its own (``kv_splits.choose_num_kv_splits``):
     python3 benchmarks/attention_kernel.py --splits --decode 1x160 1x1024 1x8192 8x1024
 
 ``--split-counts 1`` times the single pass alone (e.g. to compare two trees: the script
-imports the ``vtllm`` of the tree it sits in).
+imports the ``vtllm`` of the tree it sits in); ``--decode-prefetch both`` times the
+kernel's shorter decode chain of loads (``paged_attention.DECODE_PREFETCH``) beside the
+default.
 """
 
 from __future__ import annotations
@@ -164,9 +166,15 @@ def bench_decode(shape: str, hf: dict, batch: int, context: int, sweep: bool) ->
 
 
 def bench_splits(
-    shape: str, hf: dict, batch: int, context: int, counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    shape: str,
+    hf: dict,
+    batch: int,
+    context: int,
+    counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+    prefetch_modes: tuple[bool, ...] = (False,),
 ) -> None:
-    """JSON lines: µs a decode call (device graphs) at each split count of ``counts``."""
+    """JSON lines: µs a decode call (device graphs) at each split count of ``counts``, for
+    each ``decode_prefetch`` of ``prefetch_modes``."""
     from vtllm.worker.kernels.kv_splits import choose_num_kv_splits
 
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
@@ -177,14 +185,14 @@ def bench_splits(
     out = torch.empty_like(q)
     platform = detect_platform(0)
     picked = choose_num_kv_splits(batch, batch, kv_heads, context)
-    for splits in counts:
+    for splits, prefetch in itertools.product(counts, prefetch_modes):
 
-        def run(i, splits=splits):
+        def run(i, splits=splits, prefetch=prefetch):
             paged_attention(q, k_cache, v_cache, loc, lens, table, head_dim**-0.5,
-                            num_kv_splits=splits, out=out)  # fmt: skip
+                            num_kv_splits=splits, out=out, decode_prefetch=prefetch)  # fmt: skip
 
         row = {"kind": "decode-splits", "model": shape, "batch": batch, "context": context,
-               "splits": splits, "launcher_picks": picked}  # fmt: skip
+               "splits": splits, "decode_prefetch": prefetch, "launcher_picks": picked}  # fmt: skip
         try:
             row["us"] = round(platform.graph_us(run), 2)
         except Exception as e:  # noqa: BLE001 - report, go on
@@ -218,6 +226,8 @@ def main() -> None:
     parser.add_argument("--splits", action="store_true", help="decodes over KV split counts")
     parser.add_argument("--split-counts", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32],
                         help="with --splits: the split counts timed")  # fmt: skip
+    parser.add_argument("--decode-prefetch", choices=["off", "on", "both"], default="off",
+                        help="with --splits: paged_attention's decode_prefetch")  # fmt: skip
     args = parser.parse_args()
     detect_platform(0).set_device()
     decodes = [tuple(int(x) for x in workload.split("x")) for workload in args.decode]
@@ -225,7 +235,9 @@ def main() -> None:
         hf = MODEL_SHAPES[shape]
         if args.splits:
             for batch, context in decodes:
-                bench_splits(shape, hf, batch, context, tuple(args.split_counts))
+                prefetch = {"off": (False,), "on": (True,), "both": (False, True)}
+                bench_splits(shape, hf, batch, context, tuple(args.split_counts),
+                             prefetch[args.decode_prefetch])  # fmt: skip
             continue
         bench_prefill(shape, hf, args.prefill_len, args.sweep)
         for batch, context in decodes:

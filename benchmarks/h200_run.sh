@@ -33,6 +33,9 @@
 #   ab-attn       the decode attention alone, this tree against $BASE_TREE (this tree's
 #                 attention_kernel.py copied there): --splits --split-counts 1 8 on the
 #                 Qwen3-0.6B, -30B-A3B and Llama-3-8B shapes at 1x160, 1x1024, 256x1024
+#   attn-prefetch the decode attention with and without its shorter chain of loads
+#                 (paged_attention.DECODE_PREFETCH, off by default): --splits --split-counts 1 8
+#                 --decode-prefetch both on three shapes at 1x160, 1x1024, 256x1024, 64x4096
 #   attn-sweep    benchmarks/attention_kernel.py: the paged-attention kernel's launch
 #                 configurations on the Llama-3-8B shape (8k prefill vs torch SDPA, decodes)
 #   tput-SHAPE    `vtllm bench throughput` alone (256 prompts [100, 1024]), default flags
@@ -164,6 +167,11 @@ for phase in "$@"; do
           --decode 1x160 1x1024 256x1024 2>> "$OUT/ab_attn.log" | sed "s/^/$tree /" \
           | tee -a "$OUT/ab_attn.txt" | cut -c1-170
       done ;;
+    attn-prefetch)
+      timeout 200 python3 benchmarks/attention_kernel.py --splits --split-counts 1 8 \
+        --decode-prefetch both --shapes qwen3-0.6b qwen3-30b-a3b llama3-8b \
+        --decode 1x160 1x1024 256x1024 64x4096 >> "$OUT/attn_prefetch.jsonl" 2>> "$OUT/attn_prefetch.log"
+      cut -c1-190 "$OUT/attn_prefetch.jsonl"; tail -3 "$OUT/attn_prefetch.log" ;;
     attn-sweep)
       timeout 240 python3 benchmarks/attention_kernel.py --sweep --shapes llama3-8b \
         >> "$OUT/attention.jsonl" 2>> "$OUT/attention.log"

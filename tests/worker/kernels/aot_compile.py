@@ -107,6 +107,7 @@ class Variant:
 
 
 _ATTENTION = dict(SLIDING_WINDOW=0, NUM_KV_SPLITS=1, KV_FP8=False, ONE_QUERY_A_SEQ=False)
+_ATTENTION |= dict(DECODE_PREFETCH=False)
 _NO_SCALE = dict(W_SCALE=0, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1)
 _BLOCK_SCALES = dict(W_SCALE=2, SCALE_BLOCK_N=128, SCALE_BLOCK_K=128)
 _GEMV_PLAIN = dict(NORM=False, SILU_AND_MUL=False, RESIDUAL=False, USE_GDC=False)
@@ -132,7 +133,14 @@ VARIANTS = [
         "fp16",
         dict(HEAD_DIM=80, HEAD_DIM_PAD=128, GROUP_SIZE=8, BLOCK_M=16, BLOCK_Q=2, TILE_N=64)
         | dict(BLOCK_SIZE=32, SLIDING_WINDOW=4096, NUM_KV_SPLITS=8, KV_FP8=False)
-        | dict(ONE_QUERY_A_SEQ=True),
+        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=True),
+    ),
+    Variant(  # the batch-1 rows' decode: Qwen3-0.6B heads, one pass, the prefetching loop
+        "paged_attention/decode-prefetch-bf16-d128",
+        paged_attention._paged_attention_kernel,
+        "bf16",
+        dict(_ATTENTION, HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=2, BLOCK_M=16, BLOCK_Q=8)
+        | dict(TILE_N=128, BLOCK_SIZE=16, ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=True),
     ),
     Variant(
         "paged_attention/prefill-bf16-fp8kv-d128",
@@ -148,7 +156,7 @@ VARIANTS = [
         "bf16",
         dict(HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=8, BLOCK_M=16, BLOCK_Q=2, TILE_N=64)
         | dict(BLOCK_SIZE=16, SLIDING_WINDOW=0, NUM_KV_SPLITS=8, KV_FP8=True)
-        | dict(ONE_QUERY_A_SEQ=True),
+        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=False),
         fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
     ),
     Variant(

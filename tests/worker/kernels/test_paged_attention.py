@@ -90,17 +90,26 @@ def test_any_launch_configuration_matches_reference(tiles, num_kv_splits, device
     assert_close(actual, expected, f"{tiles}, {num_kv_splits} splits")
 
 
+@pytest.mark.parametrize("decode_prefetch", [False, True])
+@pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("num_kv_splits", [1, 4])
-def test_decode_only_batches_take_one_program_a_sequence(num_kv_splits, device, generator):
-    """As many tokens as sequences: program i is sequence i, no search. The output is the
-    reference's, and bit for bit what the numbered query blocks of mixed steps give."""
+def test_decode_only_batches_take_one_program_a_sequence(
+    num_kv_splits, window, decode_prefetch, device, generator
+):
+    """As many tokens as sequences: program i is sequence i, no search; with
+    ``decode_prefetch`` one masked loop over the tiles (several of them at 150 and 200
+    keys) that loads the next tile's block ids ahead. The output is the reference's, and
+    bit for bit what the numbered query blocks of mixed steps give."""
     batch = make_paged_batch(
-        [1] * 5, [0, 31, 150, 7, 64], 8, 2, 64, 16, torch.float32, device, generator
+        [1] * 6, [0, 31, 150, 7, 64, 200], 8, 2, 64, 16, torch.float32, device, generator
     )
-    expected = _attend(batch, paged_attention_ref, 0.125, None)
-    direct = _attend(batch, paged_attention, 0.125, None, num_kv_splits=num_kv_splits)
+    expected = _attend(batch, paged_attention_ref, 0.125, window)
+    direct = _attend(
+        batch, paged_attention, 0.125, window, num_kv_splits=num_kv_splits,
+        decode_prefetch=decode_prefetch,
+    )  # fmt: skip
     searched = _attend(
-        batch, paged_attention, 0.125, None, num_kv_splits=num_kv_splits, search_sequences=True
+        batch, paged_attention, 0.125, window, num_kv_splits=num_kv_splits, search_sequences=True
     )
     assert_close(direct, expected, "one program a sequence")
     assert torch.equal(direct, searched)
@@ -286,3 +295,36 @@ def test_gpu_split_kv_vs_single_pass(dtype, window, device):
         assert_close(split, expected, f"{num_kv_splits} splits vs reference")
         assert_close(split, single, f"{num_kv_splits} splits vs single pass")
     assert_close(single, expected, "single pass")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(16, 8), (32, 4), (32, 8)])
+def test_gpu_decode_prefetch_matches_the_default_chain(
+    dtype, window, num_heads, num_kv_heads, device
+):
+    """``decode_prefetch`` (the shorter chain of loads, off by default) on the batch-1
+    rows' head layouts (Qwen3-0.6B, -30B-A3B, Llama-3-8B): the reference's output and the
+    default kernel's, single pass and split (on CPU the two are bit-equal: see
+    test_decode_only_batches_take_one_program_a_sequence)."""
+    generator = torch.Generator().manual_seed(3)
+    context_lens = [159, 0, 1023, 4000, 31, 700, 128, 127]
+    batch = make_paged_batch(
+        [1] * 8, context_lens, num_heads, num_kv_heads, 128, 16, dtype, device, generator
+    )
+    expected = _attend(batch, paged_attention_ref, 0.088, window)
+    for num_kv_splits in (1, 8):
+        default, prefetched = (
+            _attend(
+                batch,
+                paged_attention,
+                0.088,
+                window,
+                num_kv_splits=num_kv_splits,
+                decode_prefetch=prefetch,
+            )  # fmt: skip
+            for prefetch in (False, True)
+        )
+        assert_close(prefetched, expected, f"{num_kv_splits} splits vs reference")
+        assert_close(prefetched, default, f"{num_kv_splits} splits vs the default chain")

@@ -58,6 +58,33 @@ from vtllm.worker.kernels.kv_splits import (
 )
 from vtllm.worker.kv_cache_dtype import dequantize_fp8_ref, is_fp8
 
+# Decode-only batches with fewer dependent loads a program (no query_start_loc loads, K
+# and V requested together, the next tile's block ids loaded while a tile's keys are in
+# flight: ~4 round trips to memory at 160 keys instead of ~8). Off until measured on a
+# GPU (interpreter- and AOT-tested; `attention_kernel.py --splits --decode-prefetch both`
+# times it beside the default): it is meant for the batch-1 rows, where attention takes
+# ~8 µs a layer at <= 160 keys on an H200 (session 33).
+DECODE_PREFETCH = False
+
+
+@triton.jit
+def _tile_block_ids(
+    block_table_row,
+    tile_start,
+    kv_end,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """The cache block of each key of the tile at ``tile_start``: ``[TILE_N]`` int64 (0
+    for keys at or past ``kv_end`` when ``MASKED``)."""
+    offs_n = tile_start + tl.arange(0, TILE_N)  # [TILE_N] key positions
+    if MASKED:
+        block_id = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=offs_n < kv_end, other=0)
+    else:
+        block_id = tl.load(block_table_row + offs_n // BLOCK_SIZE)
+    return block_id.to(tl.int64)
+
 
 @triton.jit
 def _attend_tile(
@@ -70,7 +97,7 @@ def _attend_tile(
     tile_start,
     kv_end,
     qk_scale,
-    block_table_row,
+    block_id,  # [TILE_N] int64, the tile's keys' cache blocks (_tile_block_ids)
     k_cache_ptr,
     v_cache_ptr,
     kv_head_id,
@@ -86,19 +113,17 @@ def _attend_tile(
     BLOCK_SIZE: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row
+    EARLY_V: tl.constexpr,  # request the values with the keys, not after the softmax
 ):
-    """One key tile of online softmax: returns the updated (acc, m_i, l_i)."""
+    """One key tile of online softmax: returns the updated (acc, m_i, l_i). With EARLY_V
+    the tile's keys and values are both requested before the first is used, so that
+    their memory latencies overlap (a short decode is a chain of such round trips)."""
     offs_n = tile_start + tl.arange(0, TILE_N)  # [TILE_N] key positions
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
-    if MASKED:
-        n_valid = offs_n < kv_end
-        block_id = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
-    else:
-        block_id = tl.load(block_table_row + offs_n // BLOCK_SIZE)
-    block_id = block_id.to(tl.int64)
     slot_in_block = offs_n % BLOCK_SIZE
     if MASKED:
+        n_valid = offs_n < kv_end
         k_mask = d_mask[:, None] & n_valid[None, :]
         v_mask = n_valid[:, None] & d_mask[None, :]
     else:
@@ -113,6 +138,15 @@ def _attend_tile(
         mask=k_mask,
         other=0.0,
     )  # [HEAD_DIM_PAD, TILE_N]
+    v_ptrs = (
+        v_cache_ptr
+        + block_id[:, None] * stride_v_block
+        + slot_in_block[:, None] * stride_v_slot
+        + kv_head_id * stride_v_head
+        + offs_d[None, :]
+    )  # [TILE_N, HEAD_DIM_PAD]
+    if EARLY_V:
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     s = tl.dot(q, k.to(q.dtype), input_precision="ieee") * qk_scale  # [BLOCK_M, TILE_N]
     if MASKED:
         visible = row_valid[:, None] & n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -125,17 +159,49 @@ def _attend_tile(
     p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, TILE_N]
     alpha = tl.math.exp2(m_i - m_safe)  # [BLOCK_M]
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(
-        v_cache_ptr
-        + block_id[:, None] * stride_v_block
-        + slot_in_block[:, None] * stride_v_slot
-        + kv_head_id * stride_v_head
-        + offs_d[None, :],
-        mask=v_mask,
-        other=0.0,
-    )  # [TILE_N, HEAD_DIM_PAD]
+    if not EARLY_V:
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
     return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q, q_pos, row_valid,
+    first_tile,  # key position of the first tile
+    tiles_end,  # tiles start below this position
+    kv_end, qk_scale, block_table_row, k_cache_ptr, v_cache_ptr, kv_head_id,
+    stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr, MASKED: tl.constexpr,
+    PREFETCH: tl.constexpr,  # tile i + 1's block ids before tile i's keys; V with K
+):  # fmt: skip
+    """``_attend_tile`` over the tiles at ``first_tile, first_tile + TILE_N, ...`` below
+    ``tiles_end``: returns the updated (acc, m_i, l_i). With PREFETCH the next tile's
+    block ids are requested while this tile's keys and values (requested together) are
+    in flight: a short decode then waits on memory about once a tile, not three times
+    (ids, keys, values)."""
+    if PREFETCH:  # else each tile loads its own ids, as the loop-local block_id
+        block_id = _tile_block_ids(block_table_row, first_tile, kv_end, TILE_N, BLOCK_SIZE, True)
+    for tile_start in range(first_tile, tiles_end, TILE_N):
+        if PREFETCH:
+            next_block_id = _tile_block_ids(
+                block_table_row, tile_start + TILE_N, kv_end, TILE_N, BLOCK_SIZE, True
+            )
+        else:
+            block_id = _tile_block_ids(
+                block_table_row, tile_start, kv_end, TILE_N, BLOCK_SIZE, MASKED
+            )
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, row_valid, tile_start, kv_end, qk_scale,
+            block_id, k_cache_ptr, v_cache_ptr, kv_head_id,
+            stride_k_block, stride_k_slot, stride_k_head,
+            stride_v_block, stride_v_slot, stride_v_head,
+            HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, MASKED, PREFETCH,
+        )  # fmt: skip
+        if PREFETCH:
+            block_id = next_block_id
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -176,6 +242,7 @@ def _paged_attention_kernel(
     NUM_KV_SPLITS: tl.constexpr,
     KV_FP8: tl.constexpr,  # the caches hold e4m3 values of K / k_scale, V / v_scale
     ONE_QUERY_A_SEQ: tl.constexpr,  # every sequence has one query token: block i is seq i
+    DECODE_PREFETCH: tl.constexpr,  # with ONE_QUERY_A_SEQ only: fewer dependent loads
 ):
     q_block_id = tl.program_id(0)
     kv_head_id = tl.program_id(1)
@@ -195,14 +262,21 @@ def _paged_attention_kernel(
                 hi = mid
         seq_id = lo - 1
 
-    q_start = tl.load(query_start_loc_ptr + seq_id)
-    q_len = tl.load(query_start_loc_ptr + seq_id + 1) - q_start
-    if ONE_QUERY_A_SEQ:
+    if DECODE_PREFETCH:
+        # row i is sequence i's one token (query_start_loc is 0, 1, ..., num_seqs): no
+        # loads of it, so that the first round trip to memory fetches seq_len and q
+        q_start = seq_id
+        q_len = 1
         q_block_local = 0
     else:
-        q_block_local = q_block_id - (q_start // BLOCK_Q + seq_id)
-    if q_block_local * BLOCK_Q >= q_len:
-        return
+        q_start = tl.load(query_start_loc_ptr + seq_id)
+        q_len = tl.load(query_start_loc_ptr + seq_id + 1) - q_start
+        if ONE_QUERY_A_SEQ:
+            q_block_local = 0
+        else:
+            q_block_local = q_block_id - (q_start // BLOCK_Q + seq_id)
+        if q_block_local * BLOCK_Q >= q_len:
+            return
     seq_len = tl.load(seq_lens_ptr + seq_id)
     context_len = seq_len - q_len
 
@@ -245,27 +319,25 @@ def _paged_attention_kernel(
     block_table_row = block_tables_ptr + seq_id.to(tl.int64) * stride_bt_seq
     # Key tiles that end at or before the block's first query position are visible to
     # every row: no mask there, only on the tiles after (the diagonal, the ragged end).
+    # DECODE_PREFETCH: one query a sequence sees every key before kv_end (in its window),
+    # so one masked loop that prefetches (``_attend_tiles``).
     full_end = kv_start
-    if SLIDING_WINDOW == 0:
+    if SLIDING_WINDOW == 0 and not DECODE_PREFETCH:
         first_q_pos = context_len + q_block_local * BLOCK_Q
         visible_to_all = tl.minimum(first_q_pos + 1, kv_end) - kv_start
         full_end = kv_start + tl.maximum(visible_to_all, 0) // TILE_N * TILE_N
-    for tile_start in range(kv_start, full_end, TILE_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, row_valid, tile_start, kv_end, qk_scale,
-            block_table_row, k_cache_ptr, v_cache_ptr, kv_head_id,
-            stride_k_block, stride_k_slot, stride_k_head,
-            stride_v_block, stride_v_slot, stride_v_head,
-            HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, False,
-        )  # fmt: skip
-    for tile_start in range(full_end, kv_end, TILE_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, row_valid, tile_start, kv_end, qk_scale,
-            block_table_row, k_cache_ptr, v_cache_ptr, kv_head_id,
-            stride_k_block, stride_k_slot, stride_k_head,
-            stride_v_block, stride_v_slot, stride_v_head,
-            HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, True,
-        )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, row_valid, kv_start, full_end, kv_end, qk_scale,
+        block_table_row, k_cache_ptr, v_cache_ptr, kv_head_id,
+        stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
+        HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, False, False,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, row_valid, full_end, kv_end, kv_end, qk_scale,
+        block_table_row, k_cache_ptr, v_cache_ptr, kv_head_id,
+        stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
+        HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, True, DECODE_PREFETCH,
+    )  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
 
@@ -347,6 +419,7 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,  # [] fp32, FP8 caches only
     tiles: AttentionTiles | None = None,
     search_sequences: bool = False,
+    decode_prefetch: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged keys and values.
 
@@ -364,8 +437,10 @@ def paged_attention(
     ignore them. ``tiles`` overrides the launch configuration (``choose_tiles``; for
     sweeps). A batch of as many tokens as sequences (every sequence one token: sequences
     never have zero) gives each sequence one program directly; ``search_sequences`` makes
-    it number query blocks as mixed steps do (for benchmarks and tests). Returns ``out``
-    ``[num_tokens, num_heads, head_dim]`` in q's dtype.
+    it number query blocks as mixed steps do (for benchmarks and tests);
+    ``decode_prefetch`` (default ``DECODE_PREFETCH``) gives those programs the shorter
+    chain of loads (same results). Returns ``out`` ``[num_tokens, num_heads, head_dim]``
+    in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -439,6 +514,8 @@ def paged_attention(
         NUM_KV_SPLITS=num_kv_splits,
         KV_FP8=kv_fp8,
         ONE_QUERY_A_SEQ=one_query_a_seq,
+        DECODE_PREFETCH=one_query_a_seq
+        and (DECODE_PREFETCH if decode_prefetch is None else decode_prefetch),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
