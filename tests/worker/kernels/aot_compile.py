@@ -93,6 +93,10 @@ class Variant:
     targets: tuple[str, ...] | None = None  # None: every target (else e.g. CUDA-only ops)
 
     def signature(self, target_name: str) -> dict[str, str]:
+        unset = [p.name for p in self.kernel.params if p.is_constexpr and not p.has_default]
+        unset = [name for name in unset if name not in self.constexprs]
+        if unset:  # it would compile as a runtime i32 and leave a branch untested
+            raise ValueError(f"{self.name}: constexpr parameters without a value: {unset}")
         signature = {}
         for arg in self.kernel.arg_names:
             if arg in self.constexprs:
@@ -397,12 +401,12 @@ VARIANTS = [
         | dict(BLOCK_E=256, BLOCK_TOPK=4),
     ),
     Variant(
-        "moe_router_route/bf16-softmax-top8-of-128-decode",
+        "moe_router_route/bf16-softmax-top8-of-128-decode-rank",
         moe_routing._moe_router_route_kernel,
         "bf16",
         dict(TOP_K=8, SCORING=0, RENORMALIZE=True, ROUND=True, HAS_EXPERT_SCALE=False)
         | dict(BLOCK_E=128, BLOCK_TOPK=8, BLOCK_T=1, BLOCK_N=2, BLOCK_K=1024)
-        | dict(NORM=False, HAS_RESIDUAL=False, PACKED_TOPK=False),
+        | dict(NORM=False, HAS_RESIDUAL=False, PACKED_TOPK=True, RANK_TOPK=True),
     ),
     Variant(
         "moe_router_route/bf16-norm-residual-top8-of-128-decode",
@@ -410,7 +414,7 @@ VARIANTS = [
         "bf16",
         dict(TOP_K=8, SCORING=0, RENORMALIZE=True, ROUND=True, HAS_EXPERT_SCALE=False)
         | dict(BLOCK_E=128, BLOCK_TOPK=8, BLOCK_T=1, BLOCK_N=2, BLOCK_K=1024)
-        | dict(NORM=True, HAS_RESIDUAL=True, PACKED_TOPK=True),
+        | dict(NORM=True, HAS_RESIDUAL=True, PACKED_TOPK=True, RANK_TOPK=False),
     ),
     Variant(
         "moe_router_route/fp16-sigmoid-scaled-8-tokens",
@@ -418,7 +422,7 @@ VARIANTS = [
         "fp16",
         dict(TOP_K=4, SCORING=1, RENORMALIZE=False, ROUND=False, HAS_EXPERT_SCALE=True)
         | dict(BLOCK_E=256, BLOCK_TOPK=4, BLOCK_T=8, BLOCK_N=4, BLOCK_K=128)
-        | dict(NORM=False, HAS_RESIDUAL=False, PACKED_TOPK=False),
+        | dict(NORM=False, HAS_RESIDUAL=False, PACKED_TOPK=False, RANK_TOPK=False),
     ),
     Variant(
         "fp8_matmul/bf16-block-128",

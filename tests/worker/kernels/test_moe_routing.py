@@ -108,6 +108,7 @@ def _router_ref(x, gate_weight, top_k, scoring="softmax", renormalize=True, **kw
         (3, 60, 96, 4, "sigmoid", False, RouterTiles(block_n=4, packed_topk=True)),
         (1, 128, 2048, 8, "softmax", True, RouterTiles(rank_topk=True)),
         (5, 60, 96, 4, "sigmoid", False, RouterTiles(block_n=4, num_warps=2, rank_topk=True)),
+        (2, 200, 64, 6, "softmax", True, RouterTiles(block_n=8, rank_topk=True)),  # > 128: packed
     ],
 )
 def test_fused_router_matches_linear_then_reference(
@@ -296,6 +297,32 @@ def test_start_up_check_passes_the_kernel_and_catches_a_wrong_one(
         moe_routing, "moe_norm_router_route", shifted(moe_routing.moe_norm_router_route)
     )
     assert not routes_like_unfused(x, gate, spec, norm, CANDIDATE_TILES[0])
+
+
+def test_a_candidate_that_fails_to_build_is_left_out_not_fatal(device, monkeypatch, caplog):
+    """Start-up's candidate check survives a tile set the compiler refuses: that one is
+    logged and left out, the others still pass."""
+    import logging
+
+    from vtllm.worker.kernels import moe_routing
+    from vtllm.worker.layers import moe_router
+    from vtllm.worker.layers.moe import RouterSpec
+
+    real = moe_routing.moe_router_route
+
+    def refuses_rank_top_k(*args, tiles=None, **kwargs):
+        if tiles is not None and tiles.rank_topk:
+            raise RuntimeError("out of resources: shared memory")
+        return real(*args, tiles=tiles, **kwargs)
+
+    monkeypatch.setattr(moe_routing, "moe_router_route", refuses_rank_top_k)
+    gate = torch.randn(16, 64, device=device) / 8
+    x = torch.zeros(1, 64, device=device)
+    with caplog.at_level(logging.WARNING, logger="vtllm.worker.layers.moe_router"):
+        passing = moe_router.passing_candidates(x, gate, RouterSpec(top_k=4), None, "router")
+    assert passing == [t for t in moe_router.CANDIDATE_TILES if not t.rank_topk]
+    refusals = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(refusals) == 2 and "out of resources" in refusals[0]
 
 
 @gpu

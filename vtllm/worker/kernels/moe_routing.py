@@ -328,6 +328,9 @@ def moe_route(
 
 # decode batches up to this many tokens score and route in one launch
 MAX_FUSED_ROUTER_TOKENS = 8
+# the rank top-k compares every expert with every other in registers: up to this many
+# (128 x 128 = 16K comparisons a program); wider routers take the packed top-k instead
+MAX_RANK_TOPK_EXPERTS = 128
 
 
 @dataclass(frozen=True)
@@ -335,13 +338,14 @@ class RouterTiles:
     """The fused router's launch: ``block_n`` experts a program (cdiv(E, block_n)
     programs), ``block_k`` of the hidden dim a step, ``num_warps``, and the last
     program's top-k with one reduction a pick (``packed_topk``), two, or by rank with no
-    loop (``rank_topk``, over ``packed_topk``)."""
+    loop (``rank_topk``, over ``packed_topk``; routers of more than
+    ``MAX_RANK_TOPK_EXPERTS`` experts take the packed top-k instead)."""
 
     block_n: int = 2
     block_k: int = 1024
     num_warps: int = 4
     packed_topk: bool = False  # one reduction a pick (``_route_row``)
-    rank_topk: bool = False  # each expert's rank in one reduction (``_route_row``)
+    rank_topk: bool = False  # each expert's rank in one reduction, <= MAX_RANK_TOPK_EXPERTS
 
 
 def _check_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, scoring: str) -> None:
@@ -399,7 +403,8 @@ def _launch_router(
         HAS_EXPERT_SCALE=expert_scale is not None,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOPK=triton.next_power_of_2(top_k),
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
-        PACKED_TOPK=tiles.packed_topk, RANK_TOPK=tiles.rank_topk,
+        PACKED_TOPK=tiles.packed_topk or tiles.rank_topk,
+        RANK_TOPK=tiles.rank_topk and num_experts <= MAX_RANK_TOPK_EXPERTS,
         BLOCK_T=block_t, BLOCK_N=tiles.block_n,
         BLOCK_K=max(64, min(tiles.block_k, triton.next_power_of_2(hidden)) // block_t),
         num_warps=tiles.num_warps,

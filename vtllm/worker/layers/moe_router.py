@@ -73,7 +73,7 @@ def fused_router_tiles(
     what = f"fused MoE router ({x.dtype}, router {tuple(router_weight.shape)}" + (
         ", RMSNorm folded)" if norm is not None else ")"
     )
-    passing = [t for t in CANDIDATE_TILES if routes_like_unfused(x, router_weight, spec, norm, t)]
+    passing = passing_candidates(x, router_weight, spec, norm, what)
     if not passing:
         logger.warning("%s: disagreed with the router GEMM + routing kernel; not used", what)
         _CHOSEN[key] = None
@@ -90,6 +90,29 @@ def fused_router_tiles(
         f"fused ({_name(best)})" if chosen else "unfused",
     )  # fmt: skip
     return chosen
+
+
+def passing_candidates(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    spec: RouterSpec,
+    norm: nn.Module | None,
+    what: str,
+) -> list[RouterTiles]:
+    """The ``CANDIDATE_TILES`` that route as the unfused kernels do. A candidate that
+    fails to build or run (a compiler's refusal on this device) is logged and left out:
+    start-up goes on with the others, or with the unfused kernels."""
+    passing = []
+    for tiles in CANDIDATE_TILES:
+        try:
+            if routes_like_unfused(x, router_weight, spec, norm, tiles):
+                passing.append(tiles)
+        except Exception as error:  # noqa: BLE001 - one candidate's failure is not fatal
+            logger.warning(
+                "%s: candidate %s failed (%s: %s); left out",
+                what, _name(tiles), type(error).__name__, str(error)[:200],
+            )  # fmt: skip
+    return passing
 
 
 def _name(tiles: RouterTiles) -> str:
