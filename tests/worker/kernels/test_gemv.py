@@ -242,3 +242,30 @@ def test_gpu_pdl_chain_gives_the_plain_chain_bits():
     platform.synchronize()
     for expected, actual in zip(plain, captured, strict=True):
         assert torch.equal(expected, actual)
+
+
+def test_a_tile_set_that_fails_at_start_up_is_left_out(monkeypatch, caplog):
+    """Start-up timing survives a GEMV tile set this device refuses: it is logged and
+    timed as infinite, so another tile set (or the layer's own product) is chosen."""
+    import logging
+    from types import SimpleNamespace
+
+    from vtllm.worker.distributed import TPGroup
+    from vtllm.worker.layers import small_batch
+    from vtllm.worker.layers.linear import RowParallelLinear
+
+    refused = CANDIDATE_TILES[0]
+
+    def gemv_refusing_one(x, w, tiles, **kwargs):
+        if tiles == refused:
+            raise RuntimeError("out of resources: registers")
+        return F.linear(x, w)
+
+    monkeypatch.setattr(small_batch, "gemv", gemv_refusing_one)
+    times = iter(range(10, 100))
+    platform = SimpleNamespace(graph_us=lambda fn, *args: (fn(0), float(next(times)))[1])
+    layer = RowParallelLinear(64, 32, False, TPGroup())
+    with caplog.at_level(logging.WARNING, logger="vtllm.worker.layers.small_batch"):
+        timing = small_batch.time_shape(platform, [layer])
+    assert timing.tiles != refused and timing.gemv_us < float("inf")
+    assert any("left out" in r.getMessage() for r in caplog.records)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -155,7 +156,16 @@ def time_shape(platform, layers: list[nn.Module], dtype: torch.dtype | None = No
 
         return product
 
-    gemv_us = {tiles: graph_us(with_tiles(tiles)) for tiles in CANDIDATE_TILES}
+    gemv_us = {}
+    for tiles in CANDIDATE_TILES:
+        try:
+            gemv_us[tiles] = graph_us(with_tiles(tiles))
+        except Exception as error:  # noqa: BLE001 - a tile set this device refuses: left out
+            logger.warning(
+                "small-batch GEMV %dx%d, tiles %s failed (%s: %s); left out",
+                n, k, tiles, type(error).__name__, str(error)[:200],
+            )  # fmt: skip
+            gemv_us[tiles] = math.inf  # never below TIMED_WIN × own: the own product stays
     tiles = min(gemv_us, key=gemv_us.get)
     return ShapeTiming((n, k), len(layers), own_us, gemv_us[tiles], tiles, scaled)
 
