@@ -140,3 +140,25 @@ def test_start_up_picks_the_chain_and_pdl_by_their_times(
         assert tiles is None and model.fused_decode is None
     else:
         assert model.fused_decode is tiles and tiles.pdl == (chosen == "pdl")
+
+
+def test_a_chain_that_fails_at_start_up_leaves_the_layer_unfused(monkeypatch, caplog):
+    """Start-up survives a fused chain this device refuses: logged, the model unfused."""
+    import logging
+
+    from vtllm.worker.layers import small_batch
+    from vtllm.worker.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaArgs.from_hf_config(CONFIG), TPGroup())
+    monkeypatch.setattr(LlamaDecoderLayer, "fused_decode_eligible", lambda self: None)
+
+    def refuses(*_):
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setattr(small_batch, "time_decode_chain", refuses)
+    shapes = {(128, 64): GemvTiles(16, 32, 4), (64, 64): GemvTiles(16, 32, 4),
+              (192, 64): GemvTiles(16, 32, 4), (64, 96): GemvTiles(16, 32, 4)}  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger=small_batch.__name__):
+        assert tune_fused_decode(model, None, shapes) is None
+    assert model.fused_decode is None
+    assert "timing failed (RuntimeError: out of resources" in caplog.text

@@ -205,7 +205,8 @@ def tune_small_batch_linears(
             time.monotonic() - started,
             "; ".join(t.describe() for t in timings),
         )
-        tune_fused_decode(model, platform, {t.shape: t.tiles for t in timings if not t.scaled})
+        runnable = {t.shape: t.tiles for t in timings if not t.scaled and math.isfinite(t.gemv_us)}
+        tune_fused_decode(model, platform, runnable)
     return timings
 
 
@@ -295,7 +296,15 @@ def tune_fused_decode(
     if any(shape not in tiles_by_shape for shape in shapes):
         return None
     tiles = FusedDecodeTiles(*(tiles_by_shape[shape] for shape in shapes))
-    unfused_us, plain_us = time_decode_chain(platform, layers, tiles)
+    try:
+        unfused_us, plain_us = time_decode_chain(platform, layers, tiles)
+    except Exception as error:  # noqa: BLE001 - a chain this device refuses: stay unfused
+        logger.warning(
+            "fused decode chain: timing failed (%s: %s); unfused",
+            type(error).__name__, str(error)[:200],
+        )  # fmt: skip
+        model.fused_decode = None
+        return None
     fused_us, pdl = plain_us, ""
     if _pdl_available(platform):
         pdl_us, why_not = time_chain_with_pdl(platform, layers, tiles)
