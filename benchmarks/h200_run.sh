@@ -38,7 +38,8 @@
 #                 --decode-prefetch both on three shapes at 1x160, 1x1024, 256x1024, 64x4096
 #   attn-sweep    benchmarks/attention_kernel.py: the paged-attention kernel's launch
 #                 configurations on the Llama-3-8B shape (8k prefill vs torch SDPA, decodes)
-#   tput-SHAPE    `vtllm bench throughput` alone (256 prompts [100, 1024]), default flags
+#   tput-SHAPE    `vtllm bench throughput` alone (256 prompts [100, 1024]), default flags plus
+#                 $TPUT_FLAGS (e.g. "--kv-cache-dtype fp8")
 #   ab-latency-SHAPE, ab-throughput-SHAPE  `vtllm bench latency|throughput` from this tree
 #                 and from $BASE_TREE (an unpacked older tree), alternating, $AB_ROUNDS
 #                 (default 2) runs each, with $AB_FLAGS added (e.g. "--quantization fp8")
@@ -181,7 +182,7 @@ for phase in "$@"; do
     tput-*)
       shape=${phase#tput-}
       timeout 150 python3 -m vtllm.cli bench throughput --model-shape "$shape" $BENCH \
-        >> "$OUT/bench.jsonl" 2>> "$OUT/tput_$shape.log"
+        ${TPUT_FLAGS:-} >> "$OUT/bench.jsonl" 2>> "$OUT/tput_$shape.log"
       tail -1 "$OUT/bench.jsonl" ;;
     prefill-*)
       shape=${phase#prefill-}
