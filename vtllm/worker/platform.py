@@ -141,10 +141,14 @@ class Platform:
         """The e4m3 FP8 format of this device's hardware: ``float8_e4m3fnuz`` on MI300
         (gfx94x: bias 8, no negative zero, max 240), OCP ``float8_e4m3fn`` elsewhere
         (NVIDIA, RDNA4 gfx12, MI350 gfx950, CPU; max 448). Checkpoints are e4m3fn."""
-        arch = ""
-        if self.kind is PlatformKind.ROCM:
-            arch = torch.cuda.get_device_properties(self.device).gcnArchName
-        return fp8_e4m3_dtype_for(self.kind, arch)
+        return fp8_e4m3_dtype_for(self.kind, self._rocm_arch)
+
+    @property
+    def _rocm_arch(self) -> str:
+        """The AMD GPU's architecture name (``gfx942``, ...); "" off ROCm."""
+        if self.kind is not PlatformKind.ROCM:
+            return ""
+        return torch.cuda.get_device_properties(self.device).gcnArchName
 
     @property
     def has_fp8_scaled_mm(self) -> bool:
@@ -162,10 +166,7 @@ class Platform:
         Triton upcasts fp8 operands, which saves nothing."""
         if self.kind is PlatformKind.CUDA:
             return torch.cuda.get_device_capability(self.device) >= (8, 9)
-        if self.kind is PlatformKind.ROCM:
-            arch = torch.cuda.get_device_properties(self.device).gcnArchName
-            return arch.startswith(("gfx942", "gfx950"))
-        return False
+        return self._rocm_arch.startswith(("gfx942", "gfx950"))
 
     @property
     def has_programmatic_dependent_launch(self) -> bool:
