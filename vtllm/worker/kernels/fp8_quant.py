@@ -47,6 +47,7 @@ def _quantize_fp8_kernel(
     stride_scale_row,
     FP8_MAX: tl.constexpr,
     FP8_MIN_NORMAL: tl.constexpr,
+    MIN_SCALE_AMAX: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -60,7 +61,7 @@ def _quantize_fp8_kernel(
         mask = (chunk + offs < GROUP) & (cols < k)
         x = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0), 1e-12) / FP8_MAX
+    scale = tl.maximum(tl.max(amax, 0), MIN_SCALE_AMAX) / FP8_MAX
     for chunk in range(0, GROUP, BLOCK):
         cols = start + chunk + offs
         mask = (chunk + offs < GROUP) & (cols < k)
@@ -104,6 +105,7 @@ def quantize_fp8(
         scale.stride(0),
         FP8_MAX=float(torch.finfo(fp8_dtype).max),
         FP8_MIN_NORMAL=float(torch.finfo(fp8_dtype).smallest_normal),
+        MIN_SCALE_AMAX=_MIN_SCALE_AMAX,
         GROUP=group,
         BLOCK=block,
         num_warps=4 if block >= 512 else 1,
