@@ -206,7 +206,7 @@ def sweep_router(args, routers) -> None:
         default = RouterTiles()
         grid = [  # (block_n, block_k, warps, packed top-k, rank top-k)
             (*g, topk == "packed", topk == "rank")
-            for g in itertools.product((2, 4, 8), (1024,), (1, 2, 4))
+            for g in itertools.product((2, 4, 8), (1024, 2048), (1, 2, 4))
             for topk in ("two-pass", "packed", "rank")
         ]
         for tiles in [default, *(RouterTiles(*g) for g in grid if RouterTiles(*g) != default)]:

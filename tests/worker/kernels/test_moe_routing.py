@@ -284,6 +284,15 @@ def test_start_up_check_passes_the_kernel_and_catches_a_wrong_one(
     spec = RouterSpec(top_k=4)
     for tiles in CANDIDATE_TILES:
         assert routes_like_unfused(x, gate, spec, norm, tiles)
+    # a 2,048-wide row, where the 2,048-K candidates take the whole row in one step
+    wide_gate = (torch.randn(16, 2048, generator=generator) / 45).to(device)
+    wide_x = torch.randn(1, 2048, generator=generator).to(device)
+    wide_norm = None
+    if fold_norm:
+        wide_norm = RMSNorm(2048, 1e-6).to(device)
+        wide_norm.weight.data = (torch.rand(2048, generator=generator) + 0.5).to(device)
+    for tiles in [t for t in CANDIDATE_TILES if t.block_k >= 2048]:
+        assert routes_like_unfused(wide_x, wide_gate, spec, wide_norm, tiles)
 
     def shifted(fn):
         def wrong(*args, **kwargs):
@@ -322,7 +331,8 @@ def test_a_candidate_that_fails_to_build_is_left_out_not_fatal(device, monkeypat
         passing = moe_router.passing_candidates(x, gate, RouterSpec(top_k=4), None, "router")
     assert passing == [t for t in moe_router.CANDIDATE_TILES if not t.rank_topk]
     refusals = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
-    assert len(refusals) == 2 and "out of resources" in refusals[0]
+    num_rank = sum(t.rank_topk for t in moe_router.CANDIDATE_TILES)
+    assert len(refusals) == num_rank and "out of resources" in refusals[0]
 
 
 @gpu

@@ -40,6 +40,9 @@ CANDIDATE_TILES = (  # the first is what session 31 measured (8.3 µs on an H100
     RouterTiles(block_n=4, block_k=1024, num_warps=2, packed_topk=True),
     RouterTiles(block_n=2, block_k=1024, num_warps=4, rank_topk=True),
     RouterTiles(block_n=4, block_k=1024, num_warps=2, rank_topk=True),
+    # the whole hidden row of a 2,048-wide model in one step: one load a pass, not two
+    RouterTiles(block_n=2, block_k=2048, num_warps=4, packed_topk=True),
+    RouterTiles(block_n=2, block_k=2048, num_warps=4, rank_topk=True),
 )
 _CHOSEN: dict[tuple, RouterTiles | None] = {}
 
