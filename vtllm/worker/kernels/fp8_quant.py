@@ -61,12 +61,14 @@ def _quantize_fp8_kernel(
         mask = (chunk + offs < GROUP) & (cols < k)
         x = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0), MIN_SCALE_AMAX) / FP8_MAX
+    # IEEE divisions (div_rn), as torch divides: Triton's `/` on fp32 is the approximate
+    # division on CUDA, whose one-ulp misses moved codes at e4m3 rounding ties
+    scale = tl.div_rn(tl.maximum(tl.max(amax, 0), MIN_SCALE_AMAX), FP8_MAX + 0.0)
     for chunk in range(0, GROUP, BLOCK):
         cols = start + chunk + offs
         mask = (chunk + offs < GROUP) & (cols < k)
         x = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        quantized = _round_to_e4m3(tl.clamp(x / scale, -FP8_MAX, FP8_MAX), FP8_MIN_NORMAL)
+        quantized = _round_to_e4m3(tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX), FP8_MIN_NORMAL)
         tl.store(
             out_ptr + row * stride_out_row + cols,
             quantized.to(out_ptr.dtype.element_ty),
