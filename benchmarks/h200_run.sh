@@ -34,7 +34,7 @@
 #                 attention_kernel.py copied there): --splits --split-counts 1 8 on the
 #                 Qwen3-0.6B, -30B-A3B and Llama-3-8B shapes at 1x160, 1x1024, 256x1024
 #   attn-prefetch the decode attention with and without its shorter chain of loads
-#                 (paged_attention.DECODE_PREFETCH, off by default): --splits --split-counts 1 8
+#                 (paged_attention.DECODE_PREFETCH, on by default): --splits --split-counts 1 8
 #                 --decode-prefetch both on three shapes at 1x160, 1x1024, 256x1024, 64x4096
 #   attn-sweep    benchmarks/attention_kernel.py: the paged-attention kernel's launch
 #                 configurations on the Llama-3-8B shape (8k prefill vs torch SDPA, decodes)
