@@ -63,7 +63,7 @@ def _quantize_fp8_kernel(
         amax = tl.maximum(amax, tl.abs(x))
     # IEEE divisions (div_rn), as torch divides: Triton's `/` on fp32 is the approximate
     # division on CUDA, whose one-ulp misses moved codes at e4m3 rounding ties
-    scale = tl.div_rn(tl.maximum(tl.max(amax, 0), MIN_SCALE_AMAX), FP8_MAX + 0.0)
+    scale = tl.div_rn(tl.maximum(tl.max(amax, 0), MIN_SCALE_AMAX), FP8_MAX)
     for chunk in range(0, GROUP, BLOCK):
         cols = start + chunk + offs
         mask = (chunk + offs < GROUP) & (cols < k)
