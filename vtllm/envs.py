@@ -102,6 +102,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # CUDA sm90+: the fused decode chain's GEMVs with programmatic dependent launch where
     # start-up timing says it pays (auto), or never (off).
     "VT_DECODE_PDL": lambda: _choice("VT_DECODE_PDL", ("auto", "off"), "auto"),
+    # Qwen3-MoE / Mixtral decode steps: the input RMSNorm folded into the experts' last
+    # kernel and the q/k prep (auto), or a norm kernel a layer (off).
+    "VT_MOE_DECODE_CHAIN": lambda: _choice("VT_MOE_DECODE_CHAIN", ("auto", "off"), "auto"),
     # FP8 experts' grouped GEMMs (prefill, large batches): quantise their inputs per token
     # and dot e4m3 by e4m3 where the GPU can (auto), or dot in bf16 (off).
     "VT_MOE_FP8_ACTIVATIONS": lambda: _choice("VT_MOE_FP8_ACTIVATIONS", ("auto", "off"), "auto"),

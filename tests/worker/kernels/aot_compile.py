@@ -75,7 +75,7 @@ _POINTER_TYPES = {
     "k_scale_ptr": "*fp32",
     "v_scale_ptr": "*fp32",
 }
-_FLOAT_SCALARS = {"scale_log2", "eps"}
+_FLOAT_SCALARS = {"scale_log2", "eps", "input_eps"}
 # e4m3 as each target's hardware has it (vtllm's Platform.fp8_dtype): MI300 (gfx942)
 # e4m3fnuz = fp8e4b8; RDNA4 (gfx1201) and Hopper OCP e4m3fn = fp8e4nv
 FP8_TYPES = {"mi300-gfx942": "fp8e4b8", "r9700-gfx1201": "fp8e4nv", "h100-sm90": "fp8e4nv"}
@@ -114,6 +114,7 @@ _ATTENTION = dict(SLIDING_WINDOW=0, NUM_KV_SPLITS=1, KV_FP8=False, ONE_QUERY_A_S
 _ATTENTION |= dict(DECODE_PREFETCH=False)
 _NO_SCALE = dict(W_SCALE=0, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1)
 _BLOCK_SCALES = dict(W_SCALE=2, SCALE_BLOCK_N=128, SCALE_BLOCK_K=128)
+_PLAIN_OUT = dict(RESIDUAL=False, SCALED_OUT=False)  # the down-sum kernel without its epilogues
 _GEMV_PLAIN = dict(NORM=False, SILU_AND_MUL=False, RESIDUAL=False, USE_GDC=False)
 VARIANTS = [
     Variant(
@@ -301,7 +302,15 @@ VARIANTS = [
         qkv_prep._qkv_prep_kernel,
         "bf16",
         dict(HEAD_DIM=128, HEAD_DIM_PAD=128, HALF=64, NORM=1, WEIGHT_OFFSET=1.0)
-        | dict(BLOCK_SIZE=16, QUANTIZE=False, FP8_MAX=0.0),
+        | dict(BLOCK_SIZE=16, QUANTIZE=False, FP8_MAX=0.0, INPUT_RSTD=False, HIDDEN_PAD=1),
+        num_warps=1,
+    ),
+    Variant(
+        "qkv_prep/bf16-qk-norm-input-rstd",
+        qkv_prep._qkv_prep_kernel,
+        "bf16",
+        dict(HEAD_DIM=128, HEAD_DIM_PAD=128, HALF=64, NORM=1, WEIGHT_OFFSET=1.0)
+        | dict(BLOCK_SIZE=16, QUANTIZE=False, FP8_MAX=0.0, INPUT_RSTD=True, HIDDEN_PAD=2048),
         num_warps=1,
     ),
     Variant(
@@ -309,7 +318,7 @@ VARIANTS = [
         qkv_prep._qkv_prep_kernel,
         "fp16",
         dict(HEAD_DIM=256, HEAD_DIM_PAD=256, HALF=64, NORM=2, WEIGHT_OFFSET=1.0)
-        | dict(BLOCK_SIZE=16, QUANTIZE=True, FP8_MAX=448.0),
+        | dict(BLOCK_SIZE=16, QUANTIZE=True, FP8_MAX=448.0, INPUT_RSTD=False, HIDDEN_PAD=1),
         num_warps=2,
         fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
     ),
@@ -317,20 +326,28 @@ VARIANTS = [
         "fused_moe_down_sum/bf16-top8",
         fused_moe_decode._fused_moe_down_sum_kernel,
         "bf16",
-        dict(TOP_K=8, BLOCK_TOPK=8, BLOCK_N=8, BLOCK_K=64) | _NO_SCALE,
+        dict(TOP_K=8, BLOCK_TOPK=8, BLOCK_N=8, BLOCK_K=64) | _NO_SCALE | _PLAIN_OUT,
+    ),
+    Variant(
+        "fused_moe_down_sum/bf16-top8-into-stream",
+        fused_moe_decode._fused_moe_down_sum_kernel,
+        "bf16",
+        dict(TOP_K=8, BLOCK_TOPK=8, BLOCK_N=2, BLOCK_K=256, RESIDUAL=True, SCALED_OUT=True)
+        | _NO_SCALE,
+        num_warps=8,
     ),
     Variant(
         "fused_moe_down_sum/bf16-top8-2-wide",
         fused_moe_decode._fused_moe_down_sum_kernel,
         "bf16",
-        dict(TOP_K=8, BLOCK_TOPK=8, BLOCK_N=2, BLOCK_K=256) | _NO_SCALE,
+        dict(TOP_K=8, BLOCK_TOPK=8, BLOCK_N=2, BLOCK_K=256) | _NO_SCALE | _PLAIN_OUT,
         num_warps=8,
     ),
     Variant(
         "fused_moe_down_sum/bf16-fp8-block-top8",
         fused_moe_decode._fused_moe_down_sum_kernel,
         "bf16",
-        dict(TOP_K=8, BLOCK_TOPK=8, BLOCK_N=16, BLOCK_K=64) | _BLOCK_SCALES,
+        dict(TOP_K=8, BLOCK_TOPK=8, BLOCK_N=16, BLOCK_K=64) | _BLOCK_SCALES | _PLAIN_OUT,
         fp8_pointers=("w_ptr",),
     ),
     Variant(
@@ -338,7 +355,8 @@ VARIANTS = [
         fused_moe_decode._fused_moe_down_sum_kernel,
         "fp16",
         dict(TOP_K=6, BLOCK_TOPK=8, BLOCK_N=32, BLOCK_K=64, W_SCALE=1)
-        | dict(SCALE_BLOCK_N=1, SCALE_BLOCK_K=1),
+        | dict(SCALE_BLOCK_N=1, SCALE_BLOCK_K=1)
+        | _PLAIN_OUT,
         fp8_pointers=("w_ptr",),
     ),
     Variant(

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from vtllm.worker.kernels.fused_moe import fit_shared_memory, fused_moe, fused_moe_ref
+from vtllm.worker.kernels.fused_moe_decode import moe_decode_into_stream
 from vtllm.worker.kernels.moe_align import align_pairs_by_expert, align_pairs_by_expert_ref
+from vtllm.worker.kernels.moe_common import ACTIVATIONS
 
 from .marks import assert_close, gpu
 
@@ -109,6 +111,35 @@ def test_matches_reference(path, activation, dtype, shape, device, generator):
     assert actual.shape == x.shape and actual.dtype == dtype
     expected = fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation)
     assert_close(actual, expected, f"{path} {activation}")
+
+
+@pytest.mark.parametrize("with_norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_into_stream_adds_the_residual_and_scales(with_norm, dtype, device, generator):
+    """The decode path with the next norm's residual add (and its weight) in the down
+    kernel's epilogue: the block's output plus the stream, rounded, and that times the
+    weight, rounded, as ``rms_norm`` and its weight round them."""
+    x, w13, w2, topk_weights, topk_ids = _problem(3, 72, 40, 8, 2, dtype, device, generator)
+    residual = torch.randn(3, 72, generator=generator).to(device, dtype)
+    weight = (1 + 0.1 * torch.randn(72, generator=generator)).to(device, dtype)
+    pairs = topk_ids.numel()
+    stream, scaled = moe_decode_into_stream(
+        x, w13, w2, topk_weights.reshape(pairs).contiguous(),
+        topk_ids.reshape(pairs).to(torch.int32), ACTIVATIONS["silu"], residual,
+        weight if with_norm else None,
+    )  # fmt: skip
+    block = fused_moe_ref(x, w13, w2, topk_weights, topk_ids).to(dtype)
+    expected = (block.float() + residual.float()).to(dtype)
+    assert_close(stream, expected, "stream")
+    if with_norm:
+        assert_close(scaled, (expected.float() * weight.float()).to(dtype), "scaled")
+    else:
+        assert scaled is None
+    with pytest.raises(ValueError, match=r"residual \(3, 71\)"):
+        moe_decode_into_stream(
+            x, w13, w2, topk_weights.reshape(pairs), topk_ids.reshape(pairs).int(), 0,
+            residual[:, :71], None,
+        )  # fmt: skip
 
 
 def test_no_tokens_and_bad_shapes(device):

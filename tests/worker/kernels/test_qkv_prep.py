@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vtllm.worker.kernels.qkv_prep import qkv_prep, qkv_prep_ref
+from vtllm.worker.kernels.rms_norm import rms_norm_ref
 from vtllm.worker.layers.rotary import cos_sin_table
 
 from .marks import assert_close, gpu
@@ -57,6 +58,37 @@ def test_matches_unfused_sequence(norm, dtype, shape, device, generator):
     untouched = torch.ones(24, dtype=torch.bool, device=device)
     untouched[slots[1:].long()] = False
     assert caches[0].flatten(0, 1)[untouched].abs().sum() == 0  # ... and nothing else
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_input_stream_finishes_the_input_norm(qk_norm, device, generator):
+    """With ``input_stream`` the projection was of ``stream * weight`` (the MoE decode
+    chain): the kernel's 1/rms of each stream row gives what the unfused sequence gives
+    from ``W rms_norm(stream)``: kernel vs reference at the dtype's tolerance, and the
+    reference vs the unfused norm-then-project sequence within rounding."""
+    heads, kv_heads, head_dim, hidden = 4, 2, 32, 48
+    _, positions, table, caches, slots, (wq, wk) = _problem(
+        5, heads, kv_heads, head_dim, head_dim, torch.float32, device, generator
+    )
+    stream = (3 * torch.randn(5, hidden, generator=generator)).to(device)
+    norm_weight = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(device)
+    w_qkv = torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=generator).to(device)
+    norms = dict(q_norm=wq, k_norm=wk) if qk_norm else {}
+    args = (heads, kv_heads, head_dim, positions, table)
+    folded = (stream * norm_weight) @ w_qkv.T  # the projection of the un-normed stream
+    chained = dict(input_stream=stream, input_eps=1e-5)
+    q = qkv_prep(folded, *args, caches[0], caches[1], slots, **norms, **chained)
+    q_ref = qkv_prep_ref(folded, *args, caches[2], caches[3], slots, **norms, **chained)
+    assert_close(q, q_ref, "q")
+    assert_close(caches[0], caches[2], "k cache")
+    assert_close(caches[1], caches[3], "v cache")
+    normed = rms_norm_ref(stream, norm_weight, 1e-5)[0]
+    unfused_caches = [torch.zeros_like(caches[0]) for _ in range(2)]
+    q_unfused = qkv_prep_ref(normed @ w_qkv.T, *args, *unfused_caches, slots, **norms)
+    assert_close(q_ref, q_unfused, "q vs the unfused sequence")
+    assert_close(caches[3], unfused_caches[1], "v vs the unfused sequence")
+    with pytest.raises(ValueError, match=r"input_stream \(4, 48\)"):
+        qkv_prep(folded, *args, caches[0], caches[1], slots, input_stream=stream[:4])
 
 
 def test_fp8_cache_quantises_with_the_layer_scales(device, generator):

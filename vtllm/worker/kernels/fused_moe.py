@@ -36,7 +36,7 @@ import torch
 from vtllm.worker.kernels._triton import max_shared_memory, tl, triton
 from vtllm.worker.kernels.fp8_matmul import check_scale_block, dequantize_ref
 from vtllm.worker.kernels.fp8_quant import quantize_fp8, quantize_fp8_ref
-from vtllm.worker.kernels.fused_moe_decode import moe_decode
+from vtllm.worker.kernels.fused_moe_decode import moe_decode, moe_decode_into_stream
 from vtllm.worker.kernels.moe_align import align_pairs_by_expert
 from vtllm.worker.kernels.moe_common import (
     ACTIVATIONS,
@@ -288,10 +288,67 @@ def fused_moe(
     prefill-sized GEMMs); ignored for plain weights and on the GEMV path, which reads the
     e4m3 weights as they are. Raises ValueError on inconsistent shapes.
     """
+    if path not in ("auto", "gemv", "gemm"):
+        raise ValueError(f"path must be auto, gemv or gemm, got {path!r}")
+    x, w13, w2, pair_weights, pair_experts = _checked_pairs(
+        x, w13, w2, topk_weights, topk_ids, w13_scales, w2_scales
+    )
+    num_tokens, hidden = x.shape
+    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
+    num_pairs = pair_weights.numel()
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    use_gemv = path == "gemv" or (path == "auto" and num_pairs <= num_experts)
+    act = ACTIVATIONS[activation]
+    if use_gemv:
+        return moe_decode(x, w13, w2, pair_weights, pair_experts, act, w13_scales, w2_scales)
+    block_m = _gemm_tiles(num_pairs, num_experts, True)[0]
+    alignment = (*align_pairs_by_expert(topk_ids, num_experts, block_m), block_m)
+    inter_out = torch.empty(num_pairs, w2.shape[2], dtype=x.dtype, device=x.device)  # [P, I]
+    w8a8 = fp8_activations and w13_scales is not None and w2_scales is not None
+    _launch_gemm(inter_out, x, w13, w13_scales, pair_weights, alignment, top_k, True, act, w8a8)
+    pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [P, H]
+    _launch_gemm(pair_out, inter_out, w2, w2_scales, pair_weights, alignment, 1, False, act, w8a8)
+    # the weighted pairs of a token summed in fp32 (no fp32 copy of pair_out), rounded once
+    return pair_out.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def fused_moe_into_stream(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]
+    w2: torch.Tensor,  # [num_experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k]
+    topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    residual: torch.Tensor,  # [num_tokens, hidden]: the residual stream
+    next_norm_weight: torch.Tensor | None,  # [hidden]: the next layer's RMSNorm weight
+    activation: str = "silu",
+    w13_scales: ExpertScales | None = None,
+    w2_scales: ExpertScales | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``fused_moe`` on the decode path with the residual add (and the next norm's weight)
+    in the down kernel's epilogue: ``(stream, scaled)`` as ``moe_decode_into_stream``
+    returns them. Only for ``num_tokens * top_k <= num_experts`` (the decode path's
+    condition); ValueError otherwise and on inconsistent shapes."""
+    x, w13, w2, pair_weights, pair_experts = _checked_pairs(
+        x, w13, w2, topk_weights, topk_ids, w13_scales, w2_scales
+    )
+    if not 0 < pair_weights.numel() <= w13.shape[0]:
+        raise ValueError(
+            f"{pair_weights.numel()} (token, expert) pairs: the decode path takes 1 to "
+            f"{w13.shape[0]} (the number of experts); run fused_moe and add the residual"
+        )
+    return moe_decode_into_stream(
+        x, w13, w2, pair_weights, pair_experts, ACTIVATIONS[activation], residual,
+        next_norm_weight, w13_scales, w2_scales,
+    )  # fmt: skip
+
+
+def _checked_pairs(x, w13, w2, topk_weights, topk_ids, w13_scales, w2_scales) -> tuple:
+    """``(x, w13, w2, pair_weights [P], pair_experts [P] i32)``, contiguous, after the
+    shape checks ``fused_moe`` documents."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, w13_hidden = w13.shape
     inter = two_inter // 2
-    top_k = topk_ids.shape[1]
     if (
         w13_hidden != hidden
         or two_inter % 2
@@ -304,33 +361,16 @@ def fused_moe(
             f"w2 {tuple(w2.shape)}, topk_ids {tuple(topk_ids.shape)}, "
             f"topk_weights {tuple(topk_weights.shape)}"
         )
-    if path not in ("auto", "gemv", "gemm"):
-        raise ValueError(f"path must be auto, gemv or gemm, got {path!r}")
     for scales in (w13_scales, w2_scales):
         if scales is not None and scales.block is not None:
             check_scale_block(scales.block, per_row=False)
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    num_pairs = num_tokens * top_k
-    if num_pairs == 0:
-        return torch.zeros_like(x)
+    num_pairs = topk_ids.numel()
     pair_weights = topk_weights.reshape(num_pairs)  # [num_pairs], read as fp32 in the kernels
     if pair_weights.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         pair_weights = pair_weights.float()
     pair_weights = pair_weights.contiguous()  # bf16 weights (Qwen3-MoE rounds) cost no copy
     pair_experts = topk_ids.reshape(num_pairs).to(torch.int32).contiguous()  # [num_pairs]
-    use_gemv = path == "gemv" or (path == "auto" and num_pairs <= num_experts)
-    act = ACTIVATIONS[activation]
-    if use_gemv:
-        return moe_decode(x, w13, w2, pair_weights, pair_experts, act, w13_scales, w2_scales)
-    block_m = _gemm_tiles(num_pairs, num_experts, True)[0]
-    alignment = (*align_pairs_by_expert(topk_ids, num_experts, block_m), block_m)
-    inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
-    w8a8 = fp8_activations and w13_scales is not None and w2_scales is not None
-    _launch_gemm(inter_out, x, w13, w13_scales, pair_weights, alignment, top_k, True, act, w8a8)
-    pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [P, H]
-    _launch_gemm(pair_out, inter_out, w2, w2_scales, pair_weights, alignment, 1, False, act, w8a8)
-    # the weighted pairs of a token summed in fp32 (no fp32 copy of pair_out), rounded once
-    return pair_out.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+    return x.contiguous(), w13.contiguous(), w2.contiguous(), pair_weights, pair_experts
 
 
 def fused_moe_ref(

@@ -98,6 +98,9 @@ def _fused_moe_down_sum_kernel(
     scale_ptr,  # as in the gate/up kernel
     pair_weights_ptr,  # [num_pairs] fp32 / bf16 / fp16
     pair_expert_ids_ptr,  # [num_pairs] i32
+    residual_ptr,  # [num_tokens, n], read when RESIDUAL
+    scaled_out_ptr,  # [num_tokens, n], written when SCALED_OUT
+    norm_weight_ptr,  # [n], read when SCALED_OUT
     n,
     k,
     stride_a_row,
@@ -113,10 +116,15 @@ def _fused_moe_down_sum_kernel(
     BLOCK_TOPK: tl.constexpr,  # power of two >= TOP_K
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    SCALED_OUT: tl.constexpr,
 ):
     """Decode path's down projection and weighted sum in one: a program owns one token's
     ``BLOCK_N`` outputs and reads all ``TOP_K`` experts' rows at once (a
-    ``[TOP_K, BLOCK_N, BLOCK_K]`` tile per K step), so no per-pair output is stored."""
+    ``[TOP_K, BLOCK_N, BLOCK_K]`` tile per K step), so no per-pair output is stored.
+    ``RESIDUAL``: the rounded sum plus the residual row, rounded again (the residual add
+    of ``rms_norm``); ``SCALED_OUT``: that output times the next norm's weight, rounded,
+    stored as well (``moe_decode_into_stream``)."""
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_j = tl.arange(0, BLOCK_TOPK)
@@ -155,8 +163,16 @@ def _fused_moe_down_sum_kernel(
     if W_SCALE == 1:
         acc *= tl.load(scale_base[:, None] + offs_n[None, :], mask=jn_mask, other=0.0)
     out = tl.sum(acc * weights[:, None], axis=0)  # [BLOCK_N]: the weighted sum, fp32
-    out_ptrs = out_ptr + token * stride_out_row + offs_n
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    out = out.to(out_ptr.dtype.element_ty)
+    row = token * stride_out_row + offs_n
+    if RESIDUAL:
+        residual = tl.load(residual_ptr + row, mask=n_mask, other=0.0)
+        out = (out.to(tl.float32) + residual.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row, out, mask=n_mask)
+    if SCALED_OUT:
+        weight = tl.load(norm_weight_ptr + offs_n, mask=n_mask, other=0.0)
+        scaled = (out.to(tl.float32) * weight.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(scaled_out_ptr + row, scaled, mask=n_mask)
 
 
 def _gemv_tiles(
@@ -202,9 +218,53 @@ def moe_decode(
 ) -> torch.Tensor:
     """``[num_tokens, hidden]`` in x's dtype: the decode path (module docstring) for
     ``num_pairs = num_tokens * top_k`` pairs; inputs already checked by ``fused_moe``."""
-    num_tokens, hidden = x.shape
-    num_pairs, inter = pair_weights.numel(), w2.shape[2]
-    top_k = num_pairs // num_tokens
+    inter_out = _gate_up(x, w13, pair_weights, pair_experts, activation, w13_scales)
+    out = torch.empty_like(x)  # [T, H]
+    _down_sum(out, inter_out, w2, pair_weights, pair_experts, w2_scales)
+    return out
+
+
+def moe_decode_into_stream(
+    x: torch.Tensor,  # [num_tokens, hidden], contiguous
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    pair_weights: torch.Tensor,
+    pair_experts: torch.Tensor,
+    activation: int,
+    residual: torch.Tensor,  # [num_tokens, hidden]: the residual stream the block adds to
+    next_norm_weight: torch.Tensor | None,  # [hidden]: the next layer's RMSNorm weight
+    w13_scales: ExpertScales | None = None,
+    w2_scales: ExpertScales | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``moe_decode`` with the residual add of the next norm in the down kernel's epilogue:
+    ``(stream, scaled)`` where ``stream = (moe_decode(...) + residual)`` rounded (the
+    residual stream after the block) and ``scaled = (stream * next_norm_weight)`` rounded,
+    or None without a weight. ``scaled`` is the next layer's RMSNorm output before its
+    ``1/rms``, a per-row scalar that ``qkv_prep``'s ``input_stream`` applies after the
+    projection (``MoeLlamaForCausalLM``'s decode chain): one norm launch a layer fewer."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"residual {tuple(residual.shape)} {residual.dtype}: expected the tokens' "
+            f"{tuple(x.shape)} {x.dtype}"
+        )
+    if next_norm_weight is not None and next_norm_weight.shape != (x.shape[1],):
+        raise ValueError(
+            f"next_norm_weight {tuple(next_norm_weight.shape)}: expected ({x.shape[1]},)"
+        )
+    inter_out = _gate_up(x, w13, pair_weights, pair_experts, activation, w13_scales)
+    stream = torch.empty_like(x)  # [T, H]
+    scaled = None if next_norm_weight is None else torch.empty_like(x)
+    _down_sum(
+        stream, inter_out, w2, pair_weights, pair_experts, w2_scales,
+        residual.contiguous(), scaled, next_norm_weight,
+    )  # fmt: skip
+    return stream, scaled
+
+
+def _gate_up(x, w13, pair_weights, pair_experts, activation, w13_scales) -> torch.Tensor:
+    """The first kernel: ``[num_pairs, inter]``, act(gate) * up of each pair."""
+    num_pairs, hidden, inter = pair_weights.numel(), x.shape[1], w13.shape[1] // 2
+    top_k = num_pairs // x.shape[0]
     inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
     block_n, block_k, num_warps = _gemv_tiles(
         num_pairs, inter, hidden, x.device, w13.element_size()
@@ -216,13 +276,26 @@ def moe_decode(
         TOP_K=top_k, ACTIVATION=activation, **constexprs,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )  # fmt: skip
-    out = torch.empty_like(x)  # [T, H]
-    block_n, block_k, num_warps = _down_sum_tiles(num_tokens, hidden, inter, x.device)
+    return inter_out
+
+
+def _down_sum(
+    out, inter_out, w2, pair_weights, pair_experts, w2_scales,
+    residual=None, scaled_out=None, norm_weight=None,
+) -> None:  # fmt: skip
+    """The second kernel into ``out`` ``[T, H]`` (contiguous, as ``residual`` and
+    ``scaled_out``)."""
+    (num_tokens, hidden), inter = out.shape, w2.shape[2]
+    top_k = pair_weights.numel() // num_tokens
+    block_n, block_k, num_warps = _down_sum_tiles(num_tokens, hidden, inter, out.device)
     scale, scale_strides, constexprs, block_k = scale_args(w2_scales, pair_weights, block_k)
     _fused_moe_down_sum_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
-        out, inter_out, w2, scale, pair_weights, pair_experts, hidden, inter,
-        inter_out.stride(0), out.stride(0), w2.stride(0), w2.stride(1), *scale_strides,
-        TOP_K=top_k, **constexprs, BLOCK_TOPK=triton.next_power_of_2(top_k),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        out, inter_out, w2, scale, pair_weights, pair_experts,
+        out if residual is None else residual,
+        out if scaled_out is None else scaled_out,
+        out if norm_weight is None else norm_weight,
+        hidden, inter, inter_out.stride(0), out.stride(0), w2.stride(0), w2.stride(1),
+        *scale_strides, TOP_K=top_k, **constexprs, BLOCK_TOPK=triton.next_power_of_2(top_k),
+        BLOCK_N=block_n, BLOCK_K=block_k, RESIDUAL=residual is not None,
+        SCALED_OUT=scaled_out is not None, num_warps=num_warps,
     )  # fmt: skip
-    return out

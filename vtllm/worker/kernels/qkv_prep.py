@@ -11,6 +11,12 @@ tail for a few hundred bytes. One program per (token, head)::
                   (nothing stored for slot -1: padding; FP8 caches quantised as in
                   ``reshape_and_cache.py``)
 
+With ``input_stream`` (the MoE decode chain, ``models/moe_llama.py``) the projection was
+of the residual stream times the input norm's weight, not of the normed stream: the kernel
+computes that norm's ``1/rms`` from the stream row and multiplies q, k and v by it first
+(rounded to the activation dtype), which finishes the norm after the projection instead of
+before it (equal up to rounding: the norm is a per-row scalar times the weight).
+
 The arithmetic is that of the kernels it replaces (equal to the unfused sequence up to the
 fp32 summation order inside the norm and fused multiply-adds): the norm (``rms_norm.py``: Llama rounds before the weight, Gemma after)
 rounds to the activation dtype, then the rotation (``rotary.py``, NeoX halves over the
@@ -55,6 +61,7 @@ def _qkv_prep_kernel(
     slot_mapping_ptr,  # [num_tokens]; -1 = padding
     k_scale_ptr,  # [] fp32, read when QUANTIZE
     v_scale_ptr,
+    stream_ptr,  # [num_tokens, hidden], read when INPUT_RSTD
     stride_qkv_token,
     stride_cache_pos,
     stride_kc_block,
@@ -63,9 +70,12 @@ def _qkv_prep_kernel(
     stride_vc_block,
     stride_vc_slot,
     stride_vc_head,
+    stride_stream_token,
     num_heads,
     num_kv_heads,
     eps,
+    hidden,
+    input_eps,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     HALF: tl.constexpr,  # rotary_dim // 2
@@ -74,6 +84,8 @@ def _qkv_prep_kernel(
     BLOCK_SIZE: tl.constexpr,
     QUANTIZE: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    INPUT_RSTD: tl.constexpr,
+    HIDDEN_PAD: tl.constexpr,  # power of two >= hidden (INPUT_RSTD only)
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -85,6 +97,14 @@ def _qkv_prep_kernel(
     row = qkv_ptr + token * stride_qkv_token + head * HEAD_DIM  # q heads, then k heads
     x = tl.load(row + offs, mask=mask, other=0.0)  # [HEAD_DIM_PAD]
     x_partner = tl.load(row + partner, mask=mask & rotated, other=0.0)
+    if INPUT_RSTD:
+        offs_h = tl.arange(0, HIDDEN_PAD)
+        stream = tl.load(
+            stream_ptr + token * stride_stream_token + offs_h, mask=offs_h < hidden, other=0.0
+        ).to(tl.float32)
+        input_rstd = 1.0 / tl.sqrt(tl.sum(stream * stream, 0) / hidden + input_eps)
+        x = (x.to(tl.float32) * input_rstd).to(x.dtype)
+        x_partner = (x_partner.to(tl.float32) * input_rstd).to(x.dtype)
     if NORM != 0:
         x32 = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / HEAD_DIM + eps)
@@ -112,6 +132,8 @@ def _qkv_prep_kernel(
             slot_in_block = slot % BLOCK_SIZE
             v_row = qkv_ptr + token * stride_qkv_token + (head + num_kv_heads) * HEAD_DIM
             v = tl.load(v_row + offs, mask=mask, other=0.0)
+            if INPUT_RSTD:
+                v = (v.to(tl.float32) * input_rstd).to(v.dtype)
             k_dst = block_id * stride_kc_block + slot_in_block * stride_kc_slot
             v_dst = block_id * stride_vc_block + slot_in_block * stride_vc_slot
             k_dst += kv_head * stride_kc_head
@@ -148,6 +170,19 @@ def _check(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_c
         )
 
 
+def _check_stream(qkv: torch.Tensor, stream: torch.Tensor | None) -> None:
+    if stream is not None and (
+        stream.dim() != 2
+        or stream.shape[0] != qkv.shape[0]
+        or stream.stride(-1) != 1
+        or stream.dtype != qkv.dtype
+    ):
+        raise ValueError(
+            f"input_stream {tuple(stream.shape)} {stream.dtype}: expected [{qkv.shape[0]}, "
+            f"hidden] {qkv.dtype} with a contiguous last axis (one row per qkv row)"
+        )
+
+
 def qkv_prep(
     qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
     num_heads: int,
@@ -165,11 +200,14 @@ def qkv_prep(
     weight_offset: float = 1.0,  # gemma_norm only: the scale is weight_offset + w
     k_scale: torch.Tensor | None = None,  # [] fp32, FP8 caches only
     v_scale: torch.Tensor | None = None,
+    input_stream: torch.Tensor | None = None,  # [num_tokens, hidden]: 1/rms of its rows first
+    input_eps: float = 1e-6,  # the input norm's eps (with input_stream)
 ) -> torch.Tensor:
     """q ``[num_tokens, num_heads, head_dim]`` (new, contiguous), normed and rotated; k
     (normed, rotated) and v stored at their slots of the caches; qkv is not modified. Same
     contract as ``qkv_prep_ref``. ValueError on shapes that disagree or an FP8 cache without scales."""
     _check(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_cache, slot_mapping)
+    _check_stream(qkv, input_stream)
     quantize = _check_scales(k_cache, k_scale, v_scale)
     num_tokens = qkv.shape[0]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -177,19 +215,22 @@ def qkv_prep(
         return q
     norm = NO_NORM if q_norm is None else GEMMA_NORM if gemma_norm else LLAMA_NORM
     unread = cos_sin_cache  # any pointer for the arguments a constexpr leaves unread
+    stream = qkv if input_stream is None else input_stream
+    hidden = stream.shape[1]
     _qkv_prep_kernel[(num_tokens, num_heads + num_kv_heads)](
         q, qkv, k_cache, v_cache,
         q_norm if q_norm is not None else unread, k_norm if k_norm is not None else unread,
         positions, cos_sin_cache, slot_mapping,
-        k_scale if quantize else unread, v_scale if quantize else unread,
+        k_scale if quantize else unread, v_scale if quantize else unread, stream,
         qkv.stride(0), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_heads, num_kv_heads, eps,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stream.stride(0),
+        num_heads, num_kv_heads, eps, hidden, input_eps,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         HALF=cos_sin_cache.shape[1] // 2, NORM=norm, WEIGHT_OFFSET=weight_offset,
         BLOCK_SIZE=k_cache.shape[1], QUANTIZE=quantize,
         FP8_MAX=torch.finfo(k_cache.dtype).max if quantize else 0.0,
+        INPUT_RSTD=input_stream is not None, HIDDEN_PAD=triton.next_power_of_2(hidden),
         num_warps=1 if head_dim <= 128 else 2,
     )  # fmt: skip
     return q
@@ -212,10 +253,17 @@ def qkv_prep_ref(
     weight_offset: float = 1.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    input_stream: torch.Tensor | None = None,
+    input_eps: float = 1e-6,
 ) -> torch.Tensor:
     """Plain-torch ``qkv_prep`` (same contract): the unfused norm, rotary and cache write."""
     _check(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_cache, slot_mapping)
+    _check_stream(qkv, input_stream)
     num_tokens = qkv.shape[0]
+    if input_stream is not None:  # the input norm's 1/rms, as rms_norm computes it
+        stream = input_stream.float()
+        rstd = torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + input_eps)  # [num_tokens, 1]
+        qkv = (qkv.float() * rstd).to(qkv.dtype)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.reshape(num_tokens, num_heads, head_dim).clone()  # qkv itself is left as it was

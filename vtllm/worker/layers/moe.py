@@ -201,6 +201,24 @@ class FusedMoE(nn.Module):
             )
         return self.tp.all_reduce(out)  # [num_tokens, hidden]
 
+    def forward_into_stream(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden], on a GPU, num_tokens * top_k <= num_experts
+        topk_weights: torch.Tensor,  # [num_tokens, top_k]
+        topk_ids: torch.Tensor,  # [num_tokens, top_k]
+        residual: torch.Tensor,  # [num_tokens, hidden]: the residual stream
+        next_norm_weight: torch.Tensor | None,  # [hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One rank's decode path with the residual add in its last kernel:
+        ``kernels/fused_moe.py``'s ``fused_moe_into_stream``."""
+        from vtllm.worker.kernels import fused_moe as kernels
+
+        w13_scales, w2_scales = self.expert_scales or (None, None)
+        return kernels.fused_moe_into_stream(
+            x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, residual,
+            next_norm_weight, self.activation, w13_scales, w2_scales,
+        )  # fmt: skip
+
 
 class Router(nn.Module):
     """The replicated ``[num_experts, hidden]`` gate projection (no bias)."""
@@ -257,14 +275,37 @@ class SparseMoeBlock(nn.Module):
         """``forward(norm(x, residual))`` and the new residual stream, the norm folded
         into the router's kernel (``moe_norm_router_route``): one launch fewer. Call when
         ``fold_norm_tiles`` gave tiles."""
+        topk_weights, topk_ids, h, residual = self._norm_and_route(x, residual, norm, tiles)
+        return self.experts(h, topk_weights, topk_ids), residual  # [num_tokens, hidden]
+
+    def forward_into_stream(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: attention's output
+        residual: torch.Tensor,  # [num_tokens, hidden]: the residual stream
+        norm: nn.Module,  # the RMSNorm before this block
+        tiles: RouterTiles,  # from fold_norm_tiles
+        next_norm_weight: torch.Tensor | None,  # [hidden]: the next layer's RMSNorm weight
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward_after_norm`` with the block's output added to the stream in the
+        experts' last kernel: ``(stream after the block, stream * next_norm_weight)``
+        (``FusedMoE.forward_into_stream``), for the decode chain of
+        ``models/moe_llama.py``. Call on one rank with ``fold_norm_tiles``' tiles and at
+        most ``num_experts / top_k`` tokens."""
+        topk_weights, topk_ids, h, residual = self._norm_and_route(x, residual, norm, tiles)
+        return self.experts.forward_into_stream(
+            h, topk_weights, topk_ids, residual, next_norm_weight
+        )
+
+    def _norm_and_route(self, x, residual, norm, tiles) -> tuple[torch.Tensor, ...]:
+        """``(topk_weights, topk_ids, normed x + residual, x + residual)`` from the fused
+        router kernel (``moe_norm_router_route``)."""
         from vtllm.worker.kernels import moe_routing
 
         spec = self.router
-        topk_weights, topk_ids, h, residual = moe_routing.moe_norm_router_route(
+        return moe_routing.moe_norm_router_route(
             x, residual, norm.weight, norm.eps, self.gate.weight, spec.top_k, spec.scoring,
             spec.renormalize, spec.round_weights, tiles,
         )  # fmt: skip
-        return self.experts(h, topk_weights, topk_ids), residual  # [num_tokens, hidden]
 
 
 _EXPERT_TENSOR = re.compile(

@@ -251,9 +251,13 @@ class LlamaAttention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        input_stream: torch.Tensor | None = None,  # [num_tokens, hidden]
+        input_eps: float = 1e-6,
     ) -> torch.Tensor:
         """q ``[num_tokens, heads, head_dim]`` from ``kernels/qkv_prep.py``, k and v
-        written to the cache (what the CPU branch of ``forward`` does in several steps)."""
+        written to the cache (what the CPU branch of ``forward`` does in several steps).
+        ``input_stream``: qkv is the projection of that stream times the input norm's
+        weight, and the kernel applies the norm's 1/rms (``models/moe_llama.py``)."""
         from vtllm.worker.kernels.qkv_prep import qkv_prep
 
         norm = self.q_norm
@@ -265,7 +269,8 @@ class LlamaAttention(nn.Module):
             eps=1e-6 if norm is None else norm.eps,
             gemma_norm=norm is not None and norm.gemma,
             weight_offset=1.0 if norm is None else norm.weight_offset,
-            k_scale=self.k_scale, v_scale=self.v_scale,
+            k_scale=self.k_scale, v_scale=self.v_scale, input_stream=input_stream,
+            input_eps=input_eps,
         )  # fmt: skip
 
 
@@ -452,14 +457,24 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
-        layers = zip(self.model.layers, kv_caches, strict=True)
         tiles = self.fused_decode
         if tiles is not None and x.shape[0] <= tiles.max_rows:
-            for layer, kv_cache in layers:
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
                 x = layer.forward_fused(x, positions, self.rotary, kv_cache, metadata, tiles)
             return self.model.norm(x)  # [num_tokens, hidden]
+        return self.run_layers(x, positions, kv_caches, metadata)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: the embeddings
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The decoder layers, each through its ``forward``, and the final norm:
+        ``[num_tokens, hidden]``."""
         residual = None
-        for layer, kv_cache in layers:
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, metadata)
         return self.model.norm(x, residual)[0]  # [num_tokens, hidden]
 

@@ -15,20 +15,34 @@ Family differences (transformers 5.24's modeling code):
   (gate, up, down), read here as ``mlp``.
 
 Shared experts (Qwen2-MoE, DeepSeek) and grouped top-k routing are refused by name.
+
+**The decode chain** (GPU, one rank, decode-sized steps: ``MoeLlamaForCausalLM.forward``).
+A layer's input RMSNorm is a per-row scalar times a weight: ``W (w * s / rms(s))`` is
+``(W (w * s)) / rms(s)``. So the experts' last kernel, which already writes each token's
+weighted sum, adds the residual stream there and also stores ``stream * w_next`` (the
+next layer's norm weight); q/k/v project that, and the q/k prep kernel, which reads q/k/v
+anyway, computes ``1/rms`` of the stream row and applies it. A layer is then six launches
+(qkv, prep, attention, o, the fused router with the post-attention norm, the two expert
+kernels less one): the norm kernel's ~2 µs (and its gap) go, the arithmetic equal up to
+rounding (the norm is finished after the projection, not before). ``VT_MOE_DECODE_CHAIN``
+turns it off.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import nn
 
+from vtllm import envs
 from vtllm.worker.attention import AttentionMetadata
 from vtllm.worker.distributed import TPGroup
 from vtllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vtllm.worker.layers.moe import RouterSpec, SparseMoeBlock, expert_checkpoint_name
+from vtllm.worker.layers.moe_router import RouterTiles
 from vtllm.worker.layers.norm import RMSNorm
 from vtllm.worker.layers.rotary import RotaryEmbedding
 from vtllm.worker.models.llama import (
@@ -39,6 +53,8 @@ from vtllm.worker.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
 )
+
+logger = logging.getLogger(__name__)
 
 # model_type → checkpoint projection names of one expert → gate / up / down
 _EXPERT_PROJECTIONS = {
@@ -157,6 +173,48 @@ class MoeLlamaDecoderLayer(LlamaDecoderLayer):
         h = self.self_attn(h, positions, rotary, kv_cache, metadata)
         return mlp.forward_after_norm(h, residual, norm, tiles)
 
+    def forward_chained(
+        self,
+        stream: torch.Tensor,  # [num_tokens, hidden]: the residual stream into the layer
+        scaled: torch.Tensor,  # [num_tokens, hidden]: stream * input_layernorm.weight
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        tiles: RouterTiles,  # the fused router's (SparseMoeBlock.fold_norm_tiles)
+        next_norm_weight: torch.Tensor | None,  # [hidden]: the next layer's input norm's
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer in the decode chain (module docstring): ``(stream after the layer,
+        that stream * next_norm_weight or None)``. Only where ``chain_eligible``."""
+        attn, norm = self.self_attn, self.input_layernorm
+        k_cache, v_cache = kv_cache
+        q = attn._prep_on_gpu(
+            attn.qkv_proj(scaled), positions, rotary, k_cache, v_cache, metadata,
+            input_stream=stream, input_eps=norm.eps,
+        )  # fmt: skip
+        o = attn.write_and_attend(q, None, None, kv_cache, metadata)  # [tokens, heads, head_dim]
+        o = attn.o_proj(o.reshape(stream.shape[0], -1))  # [num_tokens, hidden]
+        return self.mlp.forward_into_stream(
+            o, stream, self.post_attention_layernorm, tiles, next_norm_weight
+        )
+
+    def chain_eligible(self) -> str | None:
+        """None where ``forward_chained`` computes what ``forward`` does (up to rounding),
+        else why not: it needs experts on one rank, Llama-style norms and unbiased q/k/v
+        (the bias would land before the norm's 1/rms)."""
+        if not isinstance(self.mlp, SparseMoeBlock):
+            return "dense MLP layers"
+        if self.mlp.experts.tp.size > 1:
+            return f"tensor parallel over {self.mlp.experts.tp.size} ranks"
+        if any(
+            type(norm) is not RMSNorm
+            for norm in (self.input_layernorm, self.post_attention_layernorm)
+        ):
+            return "Gemma-style norms"
+        if self.self_attn.qkv_proj.bias is not None:
+            return "biased q/k/v projections"
+        return None
+
 
 class MoeLlamaModel(nn.Module):
     def __init__(self, args: MoeLlamaArgs, tp: TPGroup) -> None:
@@ -175,11 +233,59 @@ class MoeLlamaForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         self.args = args
         self.fused_decode = None  # the parent's forward asks; MoE layers have no chain
+        self._chain_why_not: str | None = None  # decided on the first GPU step (forward)
+        self._chain_decided = False
         self.model = MoeLlamaModel(args, tp)
         self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The final hidden states ``[num_tokens, hidden]``: decode-sized GPU steps
+        through the decode chain (module docstring), the rest layer by layer."""
+        x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        tiles = self._decode_chain_tiles(x)
+        if tiles is None:
+            return self.run_layers(x, positions, kv_caches, metadata)
+        layers = self.model.layers
+        stream, scaled = x, x * layers[0].input_layernorm.weight  # the first norm, less 1/rms
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            next_weight = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None
+            stream, scaled = layer.forward_chained(
+                stream, scaled, positions, self.rotary, kv_cache, metadata, tiles, next_weight
+            )
+        return self.model.norm(stream)  # [num_tokens, hidden]
+
+    def _decode_chain_tiles(self, x: torch.Tensor) -> RouterTiles | None:
+        """The fused router's tiles where this step runs the decode chain, else None:
+        off a GPU, with ``VT_MOE_DECODE_CHAIN=off``, where a layer is not
+        ``chain_eligible``, past the experts' decode path (``num_tokens * top_k >
+        num_experts``) or where the fused router does not run."""
+        if not x.is_cuda:
+            return None
+        if not self._chain_decided:
+            self._chain_decided = True
+            why_not = "VT_MOE_DECODE_CHAIN=off" if envs.VT_MOE_DECODE_CHAIN == "off" else None
+            for layer in self.model.layers:
+                why_not = why_not or layer.chain_eligible()
+            self._chain_why_not = why_not
+            logger.info(
+                "MoE decode chain (the input norm folded into the experts' last kernel and "
+                "the q/k prep): %s", "on" if why_not is None else f"off ({why_not})",
+            )  # fmt: skip
+        if self._chain_why_not is not None:
+            return None
+        first = self.model.layers[0]
+        if x.shape[0] * self.args.router.top_k > self.args.num_experts:
+            return None
+        return first.mlp.fold_norm_tiles(x, first.post_attention_layernorm)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, tuple[int, str] | None] | None:
         """The loader's hook for names ``packed_modules_mapping`` cannot express: one
