@@ -102,6 +102,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # CUDA sm90+: the fused decode chain's GEMVs with programmatic dependent launch where
     # start-up timing says it pays (auto), or never (off).
     "VT_DECODE_PDL": lambda: _choice("VT_DECODE_PDL", ("auto", "off"), "auto"),
+    # Decode-only GPU steps: q/k norm, rotary and the k/v cache write inside the attention
+    # kernel (auto), or in their own kernel first (off).
+    "VT_DECODE_FUSED_PREP": lambda: _choice("VT_DECODE_FUSED_PREP", ("auto", "off"), "auto"),
     # Qwen3-MoE / Mixtral decode steps: the input RMSNorm folded into the experts' last
     # kernel and the q/k prep (auto), or a norm kernel a layer (off).
     "VT_MOE_DECODE_CHAIN": lambda: _choice("VT_MOE_DECODE_CHAIN", ("auto", "off"), "auto"),

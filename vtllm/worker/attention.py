@@ -28,11 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vtllm import envs
 from vtllm.worker.block_table import slot_mapping_of, token_layout
 from vtllm.worker.first_chunk_attention import (
     attend_first_chunks,
@@ -40,6 +42,9 @@ from vtllm.worker.first_chunk_attention import (
     trailing_first_chunks,
 )
 from vtllm.worker.kv_cache_dtype import is_fp8
+
+if TYPE_CHECKING:
+    from vtllm.worker.kernels.paged_attention import DecodePrep
 
 
 @dataclass
@@ -447,11 +452,28 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: torch.Tensor | None = None,  # [] fp32: the layer's scales, for FP8 caches
     v_scale: torch.Tensor | None = None,
+    prep: DecodePrep | None = None,
 ) -> torch.Tensor:
     """The attention every model calls: the Triton kernel when the metadata was built for
     it (on a CPU tensor: the kernel's own torch reference, same contract), else the
     padded-batch torch reference. FP8 caches need the former (the worker refuses
-    ``--kv-cache-dtype fp8`` otherwise)."""
+    ``--kv-cache-dtype fp8`` otherwise).
+
+    With ``prep`` (GPU, Triton metadata), ``q`` is the qkv projection and the step's k/v
+    are not stored yet: decode-only steps run ``kernels/qkv_prep.py``'s work inside the
+    attention kernel (``VT_DECODE_FUSED_PREP``), other steps run ``qkv_prep`` first."""
+    if prep is not None:
+        inputs = metadata.kernel_inputs
+        fused = (
+            envs.VT_DECODE_FUSED_PREP != "off"
+            and inputs is not None
+            and not inputs.first_chunks
+            and q.shape[0] == inputs.seq_lens.shape[0]  # decode-only
+        )
+        if not fused:
+            head_dim = k_cache.shape[3]
+            q = prep.run_qkv_prep(q, k_cache.shape[2], head_dim, k_cache, v_cache, k_scale, v_scale)
+            prep = None
     if metadata.backend == "triton":
         from vtllm.worker.kernels import paged_attention as kernels
 
@@ -460,6 +482,7 @@ def paged_attention(
         kernel = kernels.paged_attention if q.is_cuda else kernels.paged_attention_ref
         if inputs.first_chunks and sliding_window is None and not is_fp8(k_cache.dtype):
             return _attend_with_first_chunks(kernel, q, k_cache, v_cache, inputs, scale)
+        extra = {} if prep is None else {"prep": prep}
         return kernel(
             q,
             k_cache,
@@ -473,6 +496,7 @@ def paged_attention(
             num_kv_splits=inputs.num_kv_splits,
             k_scale=k_scale,
             v_scale=v_scale,
+            **extra,
         )
     if is_fp8(k_cache.dtype):
         raise ValueError("an FP8 KV cache needs the Triton attention metadata (backend triton)")

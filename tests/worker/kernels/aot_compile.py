@@ -75,7 +75,7 @@ _POINTER_TYPES = {
     "k_scale_ptr": "*fp32",
     "v_scale_ptr": "*fp32",
 }
-_FLOAT_SCALARS = {"scale_log2", "eps", "input_eps"}
+_FLOAT_SCALARS = {"scale_log2", "eps", "input_eps", "norm_eps"}
 # e4m3 as each target's hardware has it (vtllm's Platform.fp8_dtype): MI300 (gfx942)
 # e4m3fnuz = fp8e4b8; RDNA4 (gfx1201) and Hopper OCP e4m3fn = fp8e4nv
 FP8_TYPES = {"mi300-gfx942": "fp8e4b8", "r9700-gfx1201": "fp8e4nv", "h100-sm90": "fp8e4nv"}
@@ -112,6 +112,10 @@ class Variant:
 
 _ATTENTION = dict(SLIDING_WINDOW=0, NUM_KV_SPLITS=1, KV_FP8=False, ONE_QUERY_A_SEQ=False)
 _ATTENTION |= dict(DECODE_PREFETCH=False)
+# the attention kernel without its fused q/k prep (PREP)
+_NO_PREP = dict(PREP=False, HALF=1, NORM=0, WEIGHT_OFFSET=1.0, INPUT_RSTD=False, HIDDEN_PAD=1)
+_NO_PREP |= dict(FP8_MAX=0.0)
+_ATTENTION |= _NO_PREP
 _NO_SCALE = dict(W_SCALE=0, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1)
 _BLOCK_SCALES = dict(W_SCALE=2, SCALE_BLOCK_N=128, SCALE_BLOCK_K=128)
 _PLAIN_OUT = dict(RESIDUAL=False, SCALED_OUT=False)  # the down-sum kernel without its epilogues
@@ -138,7 +142,25 @@ VARIANTS = [
         "fp16",
         dict(HEAD_DIM=80, HEAD_DIM_PAD=128, GROUP_SIZE=8, BLOCK_M=16, BLOCK_Q=2, TILE_N=64)
         | dict(BLOCK_SIZE=32, SLIDING_WINDOW=4096, NUM_KV_SPLITS=8, KV_FP8=False)
-        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=True),
+        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=True)
+        | _NO_PREP,
+    ),
+    Variant(  # Qwen3-30B-A3B's decode in the MoE chain: q/k norm, the input norm's 1/rms
+        "paged_attention/decode-prep-bf16-d128-qk-norm-input-rstd",
+        paged_attention._paged_attention_kernel,
+        "bf16",
+        dict(_ATTENTION, HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=8, BLOCK_M=16, BLOCK_Q=2)
+        | dict(TILE_N=128, BLOCK_SIZE=16, ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=True)
+        | dict(PREP=True, HALF=64, NORM=1, INPUT_RSTD=True, HIDDEN_PAD=2048),
+    ),
+    Variant(  # Llama partial rotary into an FP8 cache, split KV
+        "paged_attention/decode-prep-split-fp16-fp8kv-d80",
+        paged_attention._paged_attention_kernel,
+        "fp16",
+        dict(_ATTENTION, HEAD_DIM=80, HEAD_DIM_PAD=128, GROUP_SIZE=4, BLOCK_M=16, BLOCK_Q=4)
+        | dict(TILE_N=64, BLOCK_SIZE=16, NUM_KV_SPLITS=4, KV_FP8=True, ONE_QUERY_A_SEQ=True)
+        | dict(DECODE_PREFETCH=True, PREP=True, HALF=16, FP8_MAX=448.0),
+        fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
     ),
     Variant(  # the batch-1 rows' decode: Qwen3-0.6B heads, one pass, the prefetching loop
         "paged_attention/decode-prefetch-bf16-d128",
@@ -161,7 +183,8 @@ VARIANTS = [
         "bf16",
         dict(HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=8, BLOCK_M=16, BLOCK_Q=2, TILE_N=64)
         | dict(BLOCK_SIZE=16, SLIDING_WINDOW=0, NUM_KV_SPLITS=8, KV_FP8=True)
-        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=False),
+        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=False)
+        | _NO_PREP,
         fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
     ),
     Variant(

@@ -9,11 +9,14 @@ from vtllm.worker import attention as torch_attention
 from vtllm.worker.kernels.kv_splits import choose_num_kv_splits
 from vtllm.worker.kernels.paged_attention import (
     AttentionTiles,
+    DecodePrep,
     choose_tiles,
     paged_attention,
     paged_attention_ref,
 )
+from vtllm.worker.kernels.qkv_prep import qkv_prep_ref
 from vtllm.worker.kernels.reshape_and_cache import reshape_and_cache
+from vtllm.worker.layers.rotary import cos_sin_table
 
 from .marks import assert_close, gpu
 from .paged_batch import PagedBatch, make_paged_batch
@@ -113,6 +116,72 @@ def test_decode_only_batches_take_one_program_a_sequence(
     )
     assert_close(direct, expected, "one program a sequence")
     assert torch.equal(direct, searched)
+
+
+@pytest.mark.parametrize(
+    ("norm", "rotary_dim", "num_kv_splits", "window", "stream", "cache_dtype"),
+    [
+        ("llama", 64, 1, None, False, None),  # Qwen3: q/k norm
+        ("llama", 64, 4, None, True, None),  # the MoE decode chain's input norm, split KV
+        ("none", 32, 2, 40, False, None),  # Llama, partial rotary, a window
+        ("gemma", 64, 1, None, False, None),
+        ("llama", 64, 4, None, True, torch.float8_e4m3fn),  # FP8 cache: quantised k/v
+    ],
+)
+def test_fused_prep_matches_qkv_prep_then_attention(
+    norm, rotary_dim, num_kv_splits, window, stream, cache_dtype, device, generator
+):
+    """``prep=``: a decode-only step given the qkv projection: the kernel stores the
+    step's k/v and attends as ``qkv_prep`` and then attention do (references of both),
+    over sequences of 1 to 201 keys (the token's own key attended from registers, the
+    rest from the cache); a padding row (slot -1) stores nothing."""
+    heads, kv_heads, head_dim = 8, 2, 64
+    batch = make_paged_batch(
+        [1] * 6, [0, 31, 150, 7, 64, 200], heads, kv_heads, head_dim, 16, torch.float32,
+        device, generator,
+    )  # fmt: skip
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(6, width, generator=generator).to(device)
+    positions = (batch.seq_lens - 1).long()
+    table = cos_sin_table(rotary_dim, 256, {"rope_theta": 10000.0, "rope_type": "default"})
+    weights = [(1 + 0.1 * torch.randn(head_dim, generator=generator)).to(device) for _ in "qk"]
+    slots = batch.slot_mapping.clone()
+    slots[3] = -1  # a padding row
+    prep = DecodePrep(
+        heads, positions, table.to(device), slots,
+        q_norm=None if norm == "none" else weights[0],
+        k_norm=None if norm == "none" else weights[1], eps=1e-5, gemma_norm=norm == "gemma",
+        input_stream=(3 * torch.randn(6, 48, generator=generator)).to(device) if stream else None,
+        input_eps=1e-5,
+    )  # fmt: skip
+    scales = {}
+    caches = [batch.k_cache, batch.v_cache]
+    if cache_dtype is not None:
+        scales = dict(
+            k_scale=torch.tensor(0.05, device=device), v_scale=torch.tensor(0.04, device=device)
+        )
+        caches = [torch.nan_to_num(c).div(0.05).to(cache_dtype) for c in caches]
+    ref_caches = [c.clone() for c in caches]
+    q = qkv_prep_ref(
+        qkv, heads, kv_heads, head_dim, positions, prep.cos_sin_cache, *ref_caches, slots,
+        prep.q_norm, prep.k_norm, prep.eps, prep.gemma_norm, 1.0, **scales,
+        input_stream=prep.input_stream, input_eps=prep.input_eps,
+    )  # fmt: skip
+    args = (batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.125, window)
+    expected = paged_attention_ref(q, *ref_caches, *args, **scales)
+    actual = paged_attention(qkv, *caches, *args, num_kv_splits=num_kv_splits, prep=prep, **scales)
+    assert actual.shape == (6, heads, head_dim)
+    valid = torch.arange(6, device=device) != 3
+    if cache_dtype is not None:  # the interpreter rounds to e4m3 unlike torch (see below):
+        # hold the kernel to what it stored, and its stores to the reference's, apart
+        expected = paged_attention_ref(q, *caches, *args, **scales)
+    assert_close(actual[valid], expected[valid], "attention")
+    for cache, ref_cache in zip(caches, ref_caches, strict=True):
+        if cache_dtype is None:
+            assert_close(torch.nan_to_num(cache), torch.nan_to_num(ref_cache), "cache")
+        else:  # e4m3 codes: the interpreter's conversion may miss a step at a tie
+            close = torch.isclose(cache.float(), ref_cache.float(), rtol=0.07, atol=2**-9)
+            assert close.float().mean() > 0.99
 
 
 def test_default_tiles_follow_the_sweep_only_where_they_fit():

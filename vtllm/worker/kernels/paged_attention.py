@@ -35,6 +35,15 @@ unnormalised partial outputs with their running max and sum, and
 ``kv_splits.py`` merges them (its docstring has the math). It pays off when a few long
 decodes would otherwise leave most of the GPU idle.
 
+Fused prep (``prep=DecodePrep(...)``, decode-only steps with the shorter chain of loads):
+``q`` is then the qkv projection, and each program does ``kernels/qkv_prep.py``'s work for
+its token and KV head — q/k norm, rotary, the input norm's ``1/rms`` in the MoE decode
+chain — before attending. The program whose share of keys ends at the token's own stores
+that k/v in the cache and attends to it from registers (one more step of online softmax,
+the key read back as the cache would give it: rounded, or e4m3-quantised), its loop
+stopping one key short: no program reads a slot this launch writes. One launch a layer
+fewer at batch 1; other steps run ``qkv_prep`` first.
+
 FP8 caches (``worker/kv_cache_dtype.py``) hold ``K / k_scale`` and ``V / v_scale`` in
 e4m3. Dequantising is linear, so the kernel never multiplies a tile: it converts fp8 to
 the query's dtype (exact) and folds the scales into two scalars::
@@ -55,6 +64,16 @@ from vtllm.worker.kernels.kv_splits import (
     choose_num_kv_splits,
     reduce_splits,
     split_partials,
+)
+from vtllm.worker.kernels.qkv_prep import (
+    GEMMA_NORM,
+    LLAMA_NORM,
+    NO_NORM,
+    check_stream,
+    prep_heads,
+    qkv_prep,
+    rotary_lanes,
+    stream_rstd,
 )
 from vtllm.worker.kv_cache_dtype import dequantize_fp8_ref, is_fp8
 
@@ -206,6 +225,97 @@ def _attend_tiles(
 
 
 @triton.jit
+def _prep_decode(
+    q,  # [BLOCK_M, HEAD_DIM_PAD]: the group's q heads of the token, from the projection
+    q_rows,  # [BLOCK_M, 1] pointers to those heads
+    row_valid,
+    token,  # the sequence's one token (a decode-only step: token i is sequence i)
+    kv_head_id,
+    qkv_ptr, stride_qkv_token, num_heads, num_kv_heads, positions_ptr, cos_sin_cache_ptr,
+    q_norm_ptr, k_norm_ptr, stream_ptr, stride_cache_pos, stride_stream_token, norm_eps,
+    hidden, input_eps,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HALF: tl.constexpr,
+    NORM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, INPUT_RSTD: tl.constexpr,
+    HIDDEN_PAD: tl.constexpr,
+):  # fmt: skip
+    """``(q, k, v)`` of one decode token as ``qkv_prep`` leaves them: q ``[BLOCK_M,
+    HEAD_DIM_PAD]`` and this KV head's k and v ``[HEAD_DIM_PAD]``, normed and rotated
+    (``qkv_prep.prep_heads``)."""
+    offs = tl.arange(0, HEAD_DIM_PAD)
+    mask = offs < HEAD_DIM
+    partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cos, sin, rotated = rotary_lanes(cos_sin_cache_ptr + pos * stride_cache_pos, offs, HALF)
+    q_partner = tl.load(
+        q_rows + partner[None, :], mask=row_valid[:, None] & (mask & rotated)[None, :], other=0.0
+    )
+    row = qkv_ptr + token.to(tl.int64) * stride_qkv_token
+    k_row = row + (num_heads + kv_head_id) * HEAD_DIM
+    k = tl.load(k_row + offs, mask=mask, other=0.0)  # [HEAD_DIM_PAD]
+    k_partner = tl.load(k_row + partner, mask=mask & rotated, other=0.0)
+    v = tl.load(
+        row + (num_heads + num_kv_heads + kv_head_id) * HEAD_DIM + offs, mask=mask, other=0.0
+    )
+    input_rstd = 1.0
+    if INPUT_RSTD:
+        input_rstd = stream_rstd(
+            stream_ptr + token.to(tl.int64) * stride_stream_token, hidden, input_eps, HIDDEN_PAD
+        )
+        v = (v.to(tl.float32) * input_rstd).to(v.dtype)
+    q = prep_heads(
+        q, q_partner, input_rstd, q_norm_ptr, norm_eps, cos[None, :], sin[None, :],
+        rotated[None, :], offs[None, :], partner[None, :], mask[None, :],
+        HEAD_DIM, HALF, NORM, WEIGHT_OFFSET, INPUT_RSTD, 1,
+    )  # fmt: skip
+    k = prep_heads(
+        k, k_partner, input_rstd, k_norm_ptr, norm_eps, cos, sin, rotated, offs, partner, mask,
+        HEAD_DIM, HALF, NORM, WEIGHT_OFFSET, INPUT_RSTD, 0,
+    )  # fmt: skip
+    return q, k, v
+
+
+@triton.jit
+def _attend_new_key(
+    acc, m_i, l_i, q, k, v,  # k, v [HEAD_DIM_PAD]: the token's own, from _prep_decode
+    row_valid,  # [BLOCK_M]
+    holds,  # whether this program's keys end at the token's own (else it does nothing)
+    qk_scale, token, kv_head_id, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+    v_scale_ptr, stride_k_block, stride_k_slot, stride_k_head, stride_v_block,
+    stride_v_slot, stride_v_head,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+):  # fmt: skip
+    """The token's k/v stored at its slot (as ``qkv_prep`` stores them; not for slot -1)
+    by the program that holds it, and one more key of online softmax from registers, read
+    as the cache would give it back (rounded to the cache dtype, e4m3 quantised)."""
+    offs = tl.arange(0, HEAD_DIM_PAD)
+    mask = offs < HEAD_DIM
+    if KV_FP8:
+        k = tl.clamp(tl.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(tl.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX)
+    k = k.to(k_cache_ptr.dtype.element_ty)
+    v = v.to(v_cache_ptr.dtype.element_ty)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if holds & (slot >= 0):
+        block_id = slot // BLOCK_SIZE
+        k_dst = block_id * stride_k_block + (slot % BLOCK_SIZE) * stride_k_slot
+        v_dst = block_id * stride_v_block + (slot % BLOCK_SIZE) * stride_v_slot
+        tl.store(k_cache_ptr + k_dst + kv_head_id * stride_k_head + offs, k, mask=mask)
+        tl.store(v_cache_ptr + v_dst + kv_head_id * stride_v_head + offs, v, mask=mask)
+    k = k.to(q.dtype).to(tl.float32)
+    s = tl.sum(q.to(tl.float32) * k[None, :], 1) * qk_scale  # [BLOCK_M]
+    s = tl.where(row_valid & holds, s, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe)  # [BLOCK_M]
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + p
+    v = v.to(q.dtype).to(tl.float32)
+    acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v[None, :]
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]; written when NUM_KV_SPLITS == 1
     partial_out_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS, HEAD_DIM_PAD] fp32
@@ -244,6 +354,27 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr,  # the caches hold e4m3 values of K / k_scale, V / v_scale
     ONE_QUERY_A_SEQ: tl.constexpr,  # every sequence has one query token: block i is seq i
     DECODE_PREFETCH: tl.constexpr,  # with ONE_QUERY_A_SEQ only: fewer dependent loads
+    # PREP (with DECODE_PREFETCH only): q_ptr is the qkv projection (q heads, k heads, v
+    # heads a token row; stride_q_head = HEAD_DIM) and the kernel does qkv_prep's work
+    # (module docstring, "Fused prep"); the rest of these are read only then
+    positions_ptr,  # [num_seqs]
+    cos_sin_cache_ptr,  # [max_position, 2 * HALF] fp32
+    slot_mapping_ptr,  # [num_seqs]; -1 = padding
+    q_norm_ptr,  # [HEAD_DIM]; read when NORM
+    k_norm_ptr,
+    stream_ptr,  # [num_seqs, hidden]; read when INPUT_RSTD
+    stride_cache_pos,
+    stride_stream_token,
+    norm_eps,
+    hidden,
+    input_eps,
+    PREP: tl.constexpr,
+    HALF: tl.constexpr,
+    NORM: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr,
+    INPUT_RSTD: tl.constexpr,
+    HIDDEN_PAD: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head_id = tl.program_id(1)
@@ -290,14 +421,18 @@ def _paged_attention_kernel(
     q_pos = context_len + q_local  # [BLOCK_M] absolute positions
     token_id = q_start + q_local  # [BLOCK_M]
 
+    q_rows = q_ptr + token_id[:, None] * stride_q_token + head_id[:, None] * stride_q_head
     q = tl.load(
-        q_ptr
-        + token_id[:, None] * stride_q_token
-        + head_id[:, None] * stride_q_head
-        + offs_d[None, :],
-        mask=row_valid[:, None] & d_mask[None, :],
-        other=0.0,
+        q_rows + offs_d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0
     )  # [BLOCK_M, HEAD_DIM_PAD]
+    if PREP:  # q/k/v of this token from the projection; k and v kept for the last key
+        q, k_new, v_new = _prep_decode(
+            q, q_rows, row_valid, seq_id, kv_head_id, q_ptr, stride_q_token,
+            tl.num_programs(1) * GROUP_SIZE, tl.num_programs(1), positions_ptr,
+            cos_sin_cache_ptr, q_norm_ptr, k_norm_ptr, stream_ptr, stride_cache_pos,
+            stride_stream_token, norm_eps, hidden, input_eps,
+            HEAD_DIM, HEAD_DIM_PAD, HALF, NORM, WEIGHT_OFFSET, INPUT_RSTD, HIDDEN_PAD,
+        )  # fmt: skip
 
     # keys this query block can see: [kv_start, kv_end)
     last_local = tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -310,6 +445,11 @@ def _paged_attention_kernel(
         tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, TILE_N), NUM_KV_SPLITS)
         kv_start = kv_start + split_id * tiles_per_split * TILE_N
         kv_end = tl.minimum(kv_start + tiles_per_split * TILE_N, kv_end)
+    # PREP: the program whose keys end at the token's own writes its k/v to the cache and
+    # attends to it from registers (the cache holds it only once this kernel ends)
+    if PREP:
+        holds_new_key = (kv_start < kv_end) & (kv_end == seq_len)
+        kv_end = tl.where(holds_new_key, kv_end - 1, kv_end)
 
     qk_scale = scale_log2
     if KV_FP8:
@@ -339,6 +479,13 @@ def _paged_attention_kernel(
         stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
         HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, True, DECODE_PREFETCH,
     )  # fmt: skip
+    if PREP:
+        acc, m_i, l_i = _attend_new_key(
+            acc, m_i, l_i, q, k_new, v_new, row_valid, holds_new_key, qk_scale, seq_id,
+            kv_head_id, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+            stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot,
+            stride_v_head, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, KV_FP8, FP8_MAX,
+        )  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
 
@@ -362,6 +509,35 @@ def _paged_attention_kernel(
         )
         tl.store(partial_max_ptr + partial_id, m_i, mask=row_valid)
         tl.store(partial_sum_ptr + partial_id, l_i, mask=row_valid)
+
+
+@dataclass(frozen=True)
+class DecodePrep:
+    """``qkv_prep``'s inputs besides qkv and the caches, for ``paged_attention`` given the
+    projection instead of q (``prep=``): on decode-only steps the attention kernel does
+    that work itself (module docstring, "Fused prep"); on other steps ``qkv_prep`` runs
+    first. The fields mean what ``qkv_prep``'s arguments of the same names mean."""
+
+    num_heads: int
+    positions: torch.Tensor  # [num_tokens]
+    cos_sin_cache: torch.Tensor  # [max_position, rotary_dim] fp32
+    slot_mapping: torch.Tensor  # [num_tokens], -1 = padding
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 1e-6
+    gemma_norm: bool = False
+    weight_offset: float = 1.0
+    input_stream: torch.Tensor | None = None  # [num_tokens, hidden]
+    input_eps: float = 1e-6
+
+    def run_qkv_prep(self, qkv, num_kv_heads, head_dim, k_cache, v_cache, k_scale, v_scale):
+        """``qkv_prep`` (its own kernel) with these inputs: q ``[tokens, heads, head_dim]``."""
+        return qkv_prep(
+            qkv, self.num_heads, num_kv_heads, head_dim, self.positions, self.cos_sin_cache,
+            k_cache, v_cache, self.slot_mapping, self.q_norm, self.k_norm, self.eps,
+            self.gemma_norm, self.weight_offset, k_scale, v_scale, self.input_stream,
+            self.input_eps,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -421,6 +597,7 @@ def paged_attention(
     tiles: AttentionTiles | None = None,
     search_sequences: bool = False,
     decode_prefetch: bool | None = None,
+    prep: DecodePrep | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged keys and values.
 
@@ -442,10 +619,24 @@ def paged_attention(
     ``decode_prefetch`` (default ``DECODE_PREFETCH``) gives those programs the shorter
     chain of loads (same results). Returns ``out`` ``[num_tokens, num_heads, head_dim]``
     in q's dtype.
+
+    With ``prep``, ``q`` is the qkv projection ``[num_tokens, (num_heads + 2 *
+    num_kv_heads) * head_dim]`` and the step's k/v are not in the cache yet: this call
+    stores them and attends as ``qkv_prep`` followed by the call without ``prep`` would
+    (one launch on decode-only steps with the shorter chain of loads, two otherwise).
     """
+    num_seqs = seq_lens.shape[0]
+    if prep is not None:
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        fused = q.shape[0] == num_seqs and not search_sequences
+        if not fused or not (DECODE_PREFETCH if decode_prefetch is None else decode_prefetch):
+            q = prep.run_qkv_prep(q, num_kv_heads, head_dim, k_cache, v_cache, k_scale, v_scale)
+            prep = None
+        else:
+            qkv = q
+            q = qkv.view(qkv.shape[0], -1, head_dim)[:, : prep.num_heads]  # strides only
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    num_seqs = seq_lens.shape[0]
     _check_inputs(q, k_cache, v_cache, query_start_loc, block_tables, num_seqs)
     kv_fp8 = _check_scales(k_cache, k_scale, v_scale)
     if num_heads % num_kv_heads:
@@ -457,9 +648,10 @@ def paged_attention(
     if num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1):
         raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    prep_args = _prep_args(prep, q, k_cache)
 
     group_size = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
@@ -517,12 +709,51 @@ def paged_attention(
         ONE_QUERY_A_SEQ=one_query_a_seq,
         DECODE_PREFETCH=one_query_a_seq
         and (DECODE_PREFETCH if decode_prefetch is None else decode_prefetch),
+        **prep_args,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
     if num_kv_splits > 1:
         reduce_splits(out, partials, query_start_loc, num_seqs)
     return out
+
+
+def _prep_args(prep: DecodePrep | None, q: torch.Tensor, k_cache: torch.Tensor) -> dict:
+    """The kernel's PREP arguments: ``prep``'s tensors and constexprs, or placeholders
+    (never read) without it."""
+    if prep is None:
+        unread = q
+        return dict(
+            positions_ptr=unread, cos_sin_cache_ptr=unread, slot_mapping_ptr=unread,
+            q_norm_ptr=unread, k_norm_ptr=unread, stream_ptr=unread, stride_cache_pos=0,
+            stride_stream_token=0, norm_eps=1e-6, hidden=1, input_eps=1e-6, PREP=False,
+            HALF=1, NORM=NO_NORM, WEIGHT_OFFSET=1.0, INPUT_RSTD=False, HIDDEN_PAD=1,
+            FP8_MAX=0.0,
+        )  # fmt: skip
+    num_tokens, head_dim = q.shape[0], q.shape[2]
+    rotary_dim = prep.cos_sin_cache.shape[1]
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_dim {head_dim}")
+    if prep.positions.shape != (num_tokens,) or prep.slot_mapping.shape != (num_tokens,):
+        raise ValueError(
+            f"positions {tuple(prep.positions.shape)} / slot_mapping "
+            f"{tuple(prep.slot_mapping.shape)} for {num_tokens} tokens"
+        )
+    check_stream(q, prep.input_stream)
+    stream = prep.input_stream if prep.input_stream is not None else q
+    norm = NO_NORM if prep.q_norm is None else GEMMA_NORM if prep.gemma_norm else LLAMA_NORM
+    return dict(
+        positions_ptr=prep.positions, cos_sin_cache_ptr=prep.cos_sin_cache,
+        slot_mapping_ptr=prep.slot_mapping,
+        q_norm_ptr=prep.q_norm if prep.q_norm is not None else q,
+        k_norm_ptr=prep.k_norm if prep.k_norm is not None else q, stream_ptr=stream,
+        stride_cache_pos=prep.cos_sin_cache.stride(0), stride_stream_token=stream.stride(0),
+        norm_eps=prep.eps, hidden=stream.shape[-1] if prep.input_stream is not None else 1,
+        input_eps=prep.input_eps, PREP=True, HALF=rotary_dim // 2, NORM=norm,
+        WEIGHT_OFFSET=prep.weight_offset, INPUT_RSTD=prep.input_stream is not None,
+        HIDDEN_PAD=triton.next_power_of_2(stream.shape[-1]) if prep.input_stream is not None else 1,
+        FP8_MAX=torch.finfo(k_cache.dtype).max if is_fp8(k_cache.dtype) else 0.0,
+    )  # fmt: skip
 
 
 def _check_scales(

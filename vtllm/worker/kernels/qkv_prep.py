@@ -49,6 +49,62 @@ def _normed(x, rstd, w_ptr, offs, mask, NORM: tl.constexpr, WEIGHT_OFFSET: tl.co
 
 
 @triton.jit
+def stream_rstd(row_ptr, hidden, eps, HIDDEN_PAD: tl.constexpr):
+    """The input RMSNorm's ``1/rms`` of one residual-stream row ``[hidden]`` (fp32
+    scalar), computed as ``_rms_norm_kernel`` computes it."""
+    offs = tl.arange(0, HIDDEN_PAD)
+    row = tl.load(row_ptr + offs, mask=offs < hidden, other=0.0).to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(row * row, 0) / hidden + eps)
+
+
+@triton.jit
+def rotary_lanes(cos_sin_row_ptr, offs, HALF: tl.constexpr):
+    """``(cos, sin, rotated)`` of each lane ``offs`` at one position's ``[cos | sin]``
+    row: 1 and 0 on the lanes past ``2 * HALF`` (not rotated)."""
+    rotated = offs < 2 * HALF
+    lane = offs % HALF
+    cos = tl.load(cos_sin_row_ptr + lane, mask=rotated, other=1.0)
+    sin = tl.load(cos_sin_row_ptr + HALF + lane, mask=rotated, other=0.0)
+    return cos, sin, rotated
+
+
+@triton.jit
+def prep_heads(
+    x,  # [HEAD_DIM_PAD] or [rows, HEAD_DIM_PAD]: heads of the projection (activation dtype)
+    x_partner,  # the same lanes' rotation partners (d ± HALF)
+    input_rstd,  # fp32 scalar: the input norm's 1/rms (INPUT_RSTD), else unread
+    norm_ptr,  # [HEAD_DIM] per-head norm weight (NORM)
+    eps,
+    cos,  # [HEAD_DIM_PAD] fp32 (rotary_lanes)
+    sin,
+    rotated,
+    offs,  # [HEAD_DIM_PAD]
+    partner,
+    mask,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    NORM: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr,
+    INPUT_RSTD: tl.constexpr,
+    AXIS: tl.constexpr,  # x's head_dim axis: 0 (one head) or 1 (rows of heads)
+):
+    """Heads as attention reads them: the input norm's 1/rms (``INPUT_RSTD``), the
+    per-head norm (``NORM``), rotary; rounded to x's dtype after each step as the
+    unfused kernels round (module docstring). Also ``paged_attention``'s fused prep."""
+    if INPUT_RSTD:
+        x = (x.to(tl.float32) * input_rstd).to(x.dtype)
+        x_partner = (x_partner.to(tl.float32) * input_rstd).to(x.dtype)
+    if NORM != 0:
+        x32 = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, AXIS, keep_dims=True) / HEAD_DIM + eps)
+        x_partner = _normed(x_partner, rstd, norm_ptr, partner, mask, NORM, WEIGHT_OFFSET)
+        x = _normed(x, rstd, norm_ptr, offs, mask, NORM, WEIGHT_OFFSET)
+    sign = tl.where(offs < HALF, -1.0, 1.0)  # (x1 cos - x2 sin, x2 cos + x1 sin)
+    out = x.to(tl.float32) * cos + sign * x_partner.to(tl.float32) * sin
+    return tl.where(rotated, out, x.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
 def _qkv_prep_kernel(
     q_out_ptr,  # [num_tokens, num_heads, HEAD_DIM] contiguous
     qkv_ptr,  # [num_tokens, (num_heads + 2 * num_kv_heads) * HEAD_DIM], last axis contiguous
@@ -92,36 +148,27 @@ def _qkv_prep_kernel(
     is_q = head < num_heads
     offs = tl.arange(0, HEAD_DIM_PAD)
     mask = offs < HEAD_DIM
-    rotated = offs < 2 * HALF
     partner = tl.where(offs < HALF, offs + HALF, offs - HALF)  # the other half's lane
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cos, sin, rotated = rotary_lanes(cos_sin_cache_ptr + pos * stride_cache_pos, offs, HALF)
     row = qkv_ptr + token * stride_qkv_token + head * HEAD_DIM  # q heads, then k heads
     x = tl.load(row + offs, mask=mask, other=0.0)  # [HEAD_DIM_PAD]
     x_partner = tl.load(row + partner, mask=mask & rotated, other=0.0)
+    input_rstd = 1.0
     if INPUT_RSTD:
-        offs_h = tl.arange(0, HIDDEN_PAD)
-        stream = tl.load(
-            stream_ptr + token * stride_stream_token + offs_h, mask=offs_h < hidden, other=0.0
-        ).to(tl.float32)
-        input_rstd = 1.0 / tl.sqrt(tl.sum(stream * stream, 0) / hidden + input_eps)
-        x = (x.to(tl.float32) * input_rstd).to(x.dtype)
-        x_partner = (x_partner.to(tl.float32) * input_rstd).to(x.dtype)
-    if NORM != 0:
-        x32 = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / HEAD_DIM + eps)
-        if is_q:
-            x_partner = _normed(x_partner, rstd, q_norm_ptr, partner, mask, NORM, WEIGHT_OFFSET)
-            x = _normed(x, rstd, q_norm_ptr, offs, mask, NORM, WEIGHT_OFFSET)
-        else:
-            x_partner = _normed(x_partner, rstd, k_norm_ptr, partner, mask, NORM, WEIGHT_OFFSET)
-            x = _normed(x, rstd, k_norm_ptr, offs, mask, NORM, WEIGHT_OFFSET)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    cache_row = cos_sin_cache_ptr + pos * stride_cache_pos
-    lane = offs % HALF
-    cos = tl.load(cache_row + lane, mask=rotated, other=1.0)
-    sin = tl.load(cache_row + HALF + lane, mask=rotated, other=0.0)
-    sign = tl.where(offs < HALF, -1.0, 1.0)  # (x1 cos - x2 sin, x2 cos + x1 sin)
-    out = x.to(tl.float32) * cos + sign * x_partner.to(tl.float32) * sin
-    out = tl.where(rotated, out, x.to(tl.float32)).to(x.dtype)
+        input_rstd = stream_rstd(
+            stream_ptr + token * stride_stream_token, hidden, input_eps, HIDDEN_PAD
+        )
+    if is_q:
+        out = prep_heads(
+            x, x_partner, input_rstd, q_norm_ptr, eps, cos, sin, rotated, offs, partner, mask,
+            HEAD_DIM, HALF, NORM, WEIGHT_OFFSET, INPUT_RSTD, 0,
+        )  # fmt: skip
+    else:
+        out = prep_heads(
+            x, x_partner, input_rstd, k_norm_ptr, eps, cos, sin, rotated, offs, partner, mask,
+            HEAD_DIM, HALF, NORM, WEIGHT_OFFSET, INPUT_RSTD, 0,
+        )  # fmt: skip
     if is_q:
         tl.store(q_out_ptr + (token * num_heads + head) * HEAD_DIM + offs, out, mask=mask)
     else:
@@ -170,7 +217,7 @@ def _check(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_c
         )
 
 
-def _check_stream(qkv: torch.Tensor, stream: torch.Tensor | None) -> None:
+def check_stream(qkv: torch.Tensor, stream: torch.Tensor | None) -> None:
     if stream is not None and (
         stream.dim() != 2
         or stream.shape[0] != qkv.shape[0]
@@ -207,7 +254,7 @@ def qkv_prep(
     (normed, rotated) and v stored at their slots of the caches; qkv is not modified. Same
     contract as ``qkv_prep_ref``. ValueError on shapes that disagree or an FP8 cache without scales."""
     _check(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_cache, slot_mapping)
-    _check_stream(qkv, input_stream)
+    check_stream(qkv, input_stream)
     quantize = _check_scales(k_cache, k_scale, v_scale)
     num_tokens = qkv.shape[0]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -258,7 +305,7 @@ def qkv_prep_ref(
 ) -> torch.Tensor:
     """Plain-torch ``qkv_prep`` (same contract): the unfused norm, rotary and cache write."""
     _check(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_cache, slot_mapping)
-    _check_stream(qkv, input_stream)
+    check_stream(qkv, input_stream)
     num_tokens = qkv.shape[0]
     if input_stream is not None:  # the input norm's 1/rms, as rms_norm computes it
         stream = input_stream.float()

@@ -30,6 +30,7 @@ from vtllm.worker.layers.norm import RMSNorm
 from vtllm.worker.layers.rotary import RotaryEmbedding, rope_parameters
 
 if TYPE_CHECKING:
+    from vtllm.worker.kernels.paged_attention import DecodePrep
     from vtllm.worker.layers.small_batch import FusedDecodeTiles
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, kv_heads, head_dim]
@@ -186,14 +187,40 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         q_size = self.num_heads * self.head_dim
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
-        if qkv.is_cuda:  # q/k norm, rope and the cache write in one kernel
-            k_cache, v_cache = kv_cache
-            q = self._prep_on_gpu(qkv, positions, rotary, k_cache, v_cache, metadata)
-            k = v = None
+        if qkv.is_cuda:  # q/k norm, rope and the cache write in one kernel (or in attention's)
+            o = self.prep_and_attend(qkv, positions, rotary, kv_cache, metadata)
         else:
             q, k, v = self.split_and_rotate(qkv, positions, rotary)
-        o = self.write_and_attend(q, k, v, kv_cache, metadata)  # [num_tokens, heads, head_dim]
+            o = self.write_and_attend(q, k, v, kv_cache, metadata)  # [num_tokens, heads, hd]
         return self.o_proj(o.reshape(num_tokens, q_size))  # [num_tokens, hidden]
+
+    def prep_and_attend(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        input_stream: torch.Tensor | None = None,  # [num_tokens, hidden]
+        input_eps: float = 1e-6,
+    ) -> torch.Tensor:
+        """On a GPU, from the projection to attention's output ``[num_tokens, heads,
+        head_dim]``: q/k norm, rope and the cache write (``kernels/qkv_prep.py``'s work,
+        inside the attention kernel on decode-only steps: ``worker/attention.py``).
+        ``input_stream``: qkv is the projection of that stream times the input norm's
+        weight, and the norm's 1/rms is applied here (``models/moe_llama.py``)."""
+        k_cache, v_cache = kv_cache
+        return paged_attention(
+            qkv,
+            k_cache,
+            v_cache,
+            metadata,
+            self.scale,
+            self.sliding_window,
+            self.k_scale,
+            self.v_scale,
+            prep=self._decode_prep(positions, rotary, metadata, input_stream, input_eps),
+        )
 
     def write_and_attend(
         self,
@@ -243,6 +270,28 @@ class LlamaAttention(nn.Module):
         rotary(positions, q, k)  # in place
         return q, k, v
 
+    def _decode_prep(
+        self,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        metadata: AttentionMetadata,
+        input_stream: torch.Tensor | None = None,
+        input_eps: float = 1e-6,
+    ) -> DecodePrep:
+        """This layer's ``kernels/qkv_prep.py`` inputs besides qkv and the caches."""
+        from vtllm.worker.kernels.paged_attention import DecodePrep
+
+        norm = self.q_norm
+        return DecodePrep(
+            self.num_heads, positions, rotary.cos_sin_cache, metadata.slot_mapping,
+            q_norm=None if norm is None else norm.weight,
+            k_norm=None if norm is None else self.k_norm.weight,
+            eps=1e-6 if norm is None else norm.eps,
+            gemma_norm=norm is not None and norm.gemma,
+            weight_offset=1.0 if norm is None else norm.weight_offset,
+            input_stream=input_stream, input_eps=input_eps,
+        )  # fmt: skip
+
     def _prep_on_gpu(
         self,
         qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]
@@ -251,27 +300,13 @@ class LlamaAttention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        input_stream: torch.Tensor | None = None,  # [num_tokens, hidden]
-        input_eps: float = 1e-6,
     ) -> torch.Tensor:
         """q ``[num_tokens, heads, head_dim]`` from ``kernels/qkv_prep.py``, k and v
-        written to the cache (what the CPU branch of ``forward`` does in several steps).
-        ``input_stream``: qkv is the projection of that stream times the input norm's
-        weight, and the kernel applies the norm's 1/rms (``models/moe_llama.py``)."""
-        from vtllm.worker.kernels.qkv_prep import qkv_prep
-
-        norm = self.q_norm
-        return qkv_prep(
-            qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions,
-            rotary.cos_sin_cache, k_cache, v_cache, metadata.slot_mapping,
-            q_norm=None if norm is None else norm.weight,
-            k_norm=None if norm is None else self.k_norm.weight,
-            eps=1e-6 if norm is None else norm.eps,
-            gemma_norm=norm is not None and norm.gemma,
-            weight_offset=1.0 if norm is None else norm.weight_offset,
-            k_scale=self.k_scale, v_scale=self.v_scale, input_stream=input_stream,
-            input_eps=input_eps,
-        )  # fmt: skip
+        written to the cache (what the CPU branch of ``forward`` does in several steps)."""
+        prep = self._decode_prep(positions, rotary, metadata)
+        return prep.run_qkv_prep(
+            qkv, self.num_kv_heads, self.head_dim, k_cache, v_cache, self.k_scale, self.v_scale
+        )
 
 
 class LlamaMLP(nn.Module):
@@ -348,11 +383,7 @@ class LlamaDecoderLayer(nn.Module):
         output already added to the stream, ``[num_tokens, hidden]``. Only where
         ``fused_decode_eligible`` and start-up timing chose it (``layers/small_batch.py``)."""
         attn = self.self_attn
-        k_cache, v_cache = kv_cache
-        q = attn._prep_on_gpu(
-            self.fused_qkv(x, tiles), positions, rotary, k_cache, v_cache, metadata
-        )
-        o = attn.write_and_attend(q, None, None, kv_cache, metadata)  # [tokens, heads, head_dim]
+        o = attn.prep_and_attend(self.fused_qkv(x, tiles), positions, rotary, kv_cache, metadata)
         return self.fused_post_attention(o.reshape(x.shape[0], -1), x, tiles)
 
     def fused_qkv(self, x: torch.Tensor, tiles: FusedDecodeTiles) -> torch.Tensor:

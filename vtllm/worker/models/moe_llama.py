@@ -186,13 +186,11 @@ class MoeLlamaDecoderLayer(LlamaDecoderLayer):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer in the decode chain (module docstring): ``(stream after the layer,
         that stream * next_norm_weight or None)``. Only where ``chain_eligible``."""
-        attn, norm = self.self_attn, self.input_layernorm
-        k_cache, v_cache = kv_cache
-        q = attn._prep_on_gpu(
-            attn.qkv_proj(scaled), positions, rotary, k_cache, v_cache, metadata,
-            input_stream=stream, input_eps=norm.eps,
-        )  # fmt: skip
-        o = attn.write_and_attend(q, None, None, kv_cache, metadata)  # [tokens, heads, head_dim]
+        attn = self.self_attn
+        o = attn.prep_and_attend(
+            attn.qkv_proj(scaled), positions, rotary, kv_cache, metadata, stream,
+            self.input_layernorm.eps,
+        )  # fmt: skip  # [num_tokens, heads, head_dim]
         o = attn.o_proj(o.reshape(stream.shape[0], -1))  # [num_tokens, hidden]
         return self.mlp.forward_into_stream(
             o, stream, self.post_attention_layernorm, tiles, next_norm_weight
