@@ -300,7 +300,8 @@ VARIANTS = [
         "fp8_quant/bf16-group-128",
         fp8_quant._quantize_fp8_kernel,
         "bf16",
-        dict(FP8_MAX=448.0, FP8_MIN_NORMAL=2.0**-6, MIN_SCALE_AMAX=1e-12, GROUP=128, BLOCK=128),
+        dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448.0, FP8_MIN_NORMAL=2.0**-6, MIN_SCALE_AMAX=1e-12)
+        | dict(GROUP=128, BLOCK=128),
         fp8_pointers=("out_ptr",),
         num_warps=1,
     ),
@@ -308,7 +309,8 @@ VARIANTS = [
         "fp8_quant/fp16-row-2048",
         fp8_quant._quantize_fp8_kernel,
         "fp16",
-        dict(FP8_MAX=448.0, FP8_MIN_NORMAL=2.0**-6, MIN_SCALE_AMAX=1e-12, GROUP=2048, BLOCK=1024),
+        dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448.0, FP8_MIN_NORMAL=2.0**-6, MIN_SCALE_AMAX=1e-12)
+        | dict(GROUP=2048, BLOCK=1024),
         fp8_pointers=("out_ptr",),
     ),
     Variant(

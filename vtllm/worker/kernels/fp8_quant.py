@@ -3,13 +3,19 @@
 ``x [rows, k]`` becomes ``x_fp8 [rows, k]`` (e4m3: the platform's ``float8_e4m3fn`` or
 MI300's ``float8_e4m3fnuz``) and ``scale [rows, cdiv(k, group)]`` with::
 
-    scale[r, g] = max(amax(|x[r, g*group : (g+1)*group]|), 1e-12) / fp8_max
+    scale[r, g] = max(amax(|x[r, g*group : (g+1)*group]|), 1e-12) * (1 / fp8_max)
     x_fp8[r, c] = clamp(x[r, c] / scale[r, c // group], ±fp8_max)      (round to nearest)
 
 so ``x ≈ x_fp8 * scale`` group by group (``fp8_matmul.dequantize_ref`` with blocks
 ``(1, group)`` gives it back). ``group = k`` is vLLM's dynamic per-token scaling
 (the partner of per-row weight scales); ``group = 128`` pairs with 128×128 block-scaled
 weights (DeepSeek / Qwen3-FP8), whose K blocks then see one activation scale each.
+
+The scale multiplies by the fp32 reciprocal of ``fp8_max``, as torch's CUDA ``tensor /
+scalar`` does (it never divides by a scalar), so that the torch references here and in
+``layers/fp8.py`` give the same scales on every device; the quotient is an IEEE division
+(``div_rn``: Triton's fp32 ``/`` is the approximate one on CUDA), as torch's ``tensor /
+tensor``.
 
 One program per (row, group), two passes over the group (amax, then quantise) in
 ``BLOCK``-wide chunks: one launch where the torch reference takes about seven. Normal
@@ -46,6 +52,7 @@ def _quantize_fp8_kernel(
     stride_out_row,
     stride_scale_row,
     FP8_MAX: tl.constexpr,
+    INV_FP8_MAX: tl.constexpr,  # 1 / FP8_MAX, rounded to fp32
     FP8_MIN_NORMAL: tl.constexpr,
     MIN_SCALE_AMAX: tl.constexpr,
     GROUP: tl.constexpr,
@@ -61,9 +68,9 @@ def _quantize_fp8_kernel(
         mask = (chunk + offs < GROUP) & (cols < k)
         x = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    # IEEE divisions (div_rn), as torch divides: Triton's `/` on fp32 is the approximate
-    # division on CUDA, whose one-ulp misses moved codes at e4m3 rounding ties
-    scale = tl.div_rn(tl.maximum(tl.max(amax, 0), MIN_SCALE_AMAX), FP8_MAX)
+    # bit for bit what the references compute (module docstring): a missed ulp moves codes
+    # at e4m3 rounding ties
+    scale = tl.maximum(tl.max(amax, 0), MIN_SCALE_AMAX) * INV_FP8_MAX
     for chunk in range(0, GROUP, BLOCK):
         cols = start + chunk + offs
         mask = (chunk + offs < GROUP) & (cols < k)
@@ -106,6 +113,7 @@ def quantize_fp8(
         out.stride(0),
         scale.stride(0),
         FP8_MAX=float(torch.finfo(fp8_dtype).max),
+        INV_FP8_MAX=1.0 / float(torch.finfo(fp8_dtype).max),
         FP8_MIN_NORMAL=float(torch.finfo(fp8_dtype).smallest_normal),
         MIN_SCALE_AMAX=_MIN_SCALE_AMAX,
         GROUP=group,
@@ -126,6 +134,6 @@ def quantize_fp8_ref(
     padded = torch.zeros(rows, num_groups * group, dtype=torch.float32, device=x.device)
     padded[:, :k] = x
     groups = padded.view(rows, num_groups, group)
-    scale = groups.abs().amax(dim=-1).clamp(min=_MIN_SCALE_AMAX) / fp8_max  # [rows, groups]
+    scale = groups.abs().amax(dim=-1).clamp(min=_MIN_SCALE_AMAX) * (1.0 / fp8_max)  # [rows, groups]
     quantized = (groups / scale[..., None]).clamp(-fp8_max, fp8_max)
     return quantized.view(rows, -1)[:, :k].to(fp8_dtype), scale

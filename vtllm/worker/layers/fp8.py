@@ -50,7 +50,9 @@ def fp8_max(dtype: torch.dtype) -> float:
 def quantize_rows(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w_fp8, scale)``: one fp32 scale per row (``amax / fp8 max``) of ``w [..., K]``,
     ``scale [...]``; ``w ≈ w_fp8 * scale[..., None]``."""
-    scale = w.abs().amax(dim=-1).float().clamp(min=1e-12) / fp8_max(dtype)  # [...]
+    # times the reciprocal, as torch's CUDA division by a scalar computes it anyway: the
+    # same scales on every device as kernels/fp8_quant.py's
+    scale = w.abs().amax(dim=-1).float().clamp(min=1e-12) * (1.0 / fp8_max(dtype))  # [...]
     w_fp8 = (w.float() / scale[..., None]).clamp(-fp8_max(dtype), fp8_max(dtype)).to(dtype)
     return w_fp8, scale
 
