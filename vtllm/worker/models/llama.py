@@ -209,18 +209,8 @@ class LlamaAttention(nn.Module):
         inside the attention kernel on decode-only steps: ``worker/attention.py``).
         ``input_stream``: qkv is the projection of that stream times the input norm's
         weight, and the norm's 1/rms is applied here (``models/moe_llama.py``)."""
-        k_cache, v_cache = kv_cache
-        return paged_attention(
-            qkv,
-            k_cache,
-            v_cache,
-            metadata,
-            self.scale,
-            self.sliding_window,
-            self.k_scale,
-            self.v_scale,
-            prep=self._decode_prep(positions, rotary, metadata, input_stream, input_eps),
-        )
+        prep = self._decode_prep(positions, rotary, metadata, input_stream, input_eps)
+        return self.write_and_attend(qkv, None, None, kv_cache, metadata, prep)
 
     def write_and_attend(
         self,
@@ -229,6 +219,7 @@ class LlamaAttention(nn.Module):
         v: torch.Tensor | None,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        prep: DecodePrep | None = None,  # q is the projection (``prep_and_attend``)
     ) -> torch.Tensor:
         """The step's k and v into the cache at its slots, then paged attention of q:
         ``[num_tokens, heads, head_dim]``. Also the middle of the compiled CPU prompt
@@ -247,6 +238,7 @@ class LlamaAttention(nn.Module):
             self.sliding_window,
             self.k_scale,
             self.v_scale,
+            prep,
         )
 
     def split_and_rotate(
