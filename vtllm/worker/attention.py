@@ -466,6 +466,7 @@ def paged_attention(
         inputs = metadata.kernel_inputs
         fused = (
             envs.VT_DECODE_FUSED_PREP != "off"
+            and q.is_cuda
             and inputs is not None
             and not inputs.first_chunks
             and q.shape[0] == inputs.seq_lens.shape[0]  # decode-only
