@@ -397,3 +397,49 @@ def test_gpu_decode_prefetch_matches_the_default_chain(
         )
         assert_close(prefetched, expected, f"{num_kv_splits} splits vs reference")
         assert_close(prefetched, default, f"{num_kv_splits} splits vs the default chain")
+
+
+@gpu
+@pytest.mark.parametrize("cache_dtype", [None, "fp8"])
+@pytest.mark.parametrize("num_kv_splits", [1, 8])
+def test_gpu_fused_prep_matches_the_prep_kernel_then_attention(cache_dtype, num_kv_splits, device):
+    """Qwen3-30B-A3B heads (32 q / 4 kv of 128, q/k norm) in bf16, with the MoE chain's
+    input norm: ``prep=`` against ``qkv_prep`` then the attention kernel on the same step.
+    The stored k/v are the same bits (the same ``prep_heads`` arithmetic, the same e4m3
+    quantisation); the outputs agree to bf16 rounding (the new key's product is summed
+    in another order)."""
+    from vtllm.worker.kernels.qkv_prep import qkv_prep
+    from vtllm.worker.platform import platform_of
+
+    generator = torch.Generator().manual_seed(5)
+    context_lens = [159, 0, 1023, 4000, 31, 700, 128, 127]
+    batch = make_paged_batch(
+        [1] * 8, context_lens, 32, 4, 128, 16, torch.bfloat16, device, generator
+    )
+    qkv = torch.randn(8, 40 * 128, generator=generator).to(device, torch.bfloat16)
+    table = cos_sin_table(128, 8192, {"rope_theta": 1e6, "rope_type": "default"}).to(device)
+    weights = [(1 + 0.1 * torch.randn(128, generator=generator)).to(device, torch.bfloat16)]
+    weights.append((1 + 0.1 * torch.randn(128, generator=generator)).to(device, torch.bfloat16))
+    stream = (3 * torch.randn(8, 2048, generator=generator)).to(device, torch.bfloat16)
+    prep = DecodePrep(
+        32, (batch.seq_lens - 1).long(), table, batch.slot_mapping, q_norm=weights[0],
+        k_norm=weights[1], eps=1e-6, input_stream=stream, input_eps=1e-6,
+    )  # fmt: skip
+    caches, scales = [torch.nan_to_num(batch.k_cache), torch.nan_to_num(batch.v_cache)], {}
+    if cache_dtype == "fp8":
+        fp8 = platform_of(device).fp8_dtype
+        scales = dict(
+            k_scale=torch.tensor(0.02, device=device), v_scale=torch.tensor(0.02, device=device)
+        )
+        caches = [c.float().div(0.02).to(fp8) for c in caches]
+    unfused_caches = [c.clone() for c in caches]
+    q = qkv_prep(
+        qkv, 32, 4, 128, prep.positions, table, *unfused_caches, batch.slot_mapping,
+        weights[0], weights[1], input_stream=stream, **scales,
+    )  # fmt: skip
+    args = (batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.088, None)
+    expected = paged_attention(q, *unfused_caches, *args, num_kv_splits=num_kv_splits, **scales)
+    actual = paged_attention(qkv, *caches, *args, num_kv_splits=num_kv_splits, prep=prep, **scales)
+    for cache, unfused in zip(caches, unfused_caches, strict=True):
+        assert torch.equal(cache.view(torch.uint8), unfused.view(torch.uint8))
+    assert_close(actual, expected, f"fused prep, {num_kv_splits} splits")
