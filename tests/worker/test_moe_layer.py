@@ -221,3 +221,27 @@ def test_experts_match_gemma4_experts_with_gelu_tanh():
     torch.testing.assert_close(experts(x, weights, ids), expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(NotImplementedError, match="expert activation 'relu' is not supported"):
         FusedMoE(NUM_EXPERTS, HIDDEN, INTER, TPGroup(), activation="relu")
+
+
+def test_decode_chain_says_which_layers_cannot_take_it():
+    """The MoE decode chain's per-layer checks (``models/moe_llama.py``): every layer of
+    the tiny Mixtral qualifies; Qwen3-MoE's dense layer (``mlp_only_layers``), biased
+    q/k/v and two ranks are named; off a GPU no step takes it (nor is it decided)."""
+    cpu = torch.device("cpu")
+
+    def layers_why_not(kind, tp=TPGroup(), **overrides):
+        cfg = {**hf_config(kind).to_dict(), **overrides}
+        cfg["architectures"] = [{"mixtral": "MixtralForCausalLM"}.get(kind, "Qwen3MoeForCausalLM")]
+        model = build_model(cfg, cpu, torch.float32, tp)
+        return model, [layer.chain_eligible() for layer in model.model.layers]
+
+    mixtral, why_not = layers_why_not("mixtral")
+    assert why_not == [None] * len(why_not)
+    assert layers_why_not("qwen3_moe")[1] == [None, "dense MLP layers", None]
+    biased = layers_why_not("qwen3_moe", attention_bias=True, mlp_only_layers=[])[1]
+    assert biased == ["biased q/k/v projections"] * 3
+    two_ranks = layers_why_not("mixtral", TPGroup(0, 2))[1]
+    assert two_ranks == ["tensor parallel over 2 ranks"] * len(two_ranks)
+    hidden = mixtral.model.norm.weight.shape[0]
+    assert mixtral._decode_chain_tiles(torch.zeros(1, hidden)) is None
+    assert not mixtral._chain_decided
