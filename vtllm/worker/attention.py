@@ -469,11 +469,10 @@ def paged_attention(
             and q.is_cuda
             and inputs is not None
             and not inputs.first_chunks
-            and q.shape[0] == inputs.seq_lens.shape[0]  # decode-only
-        )
+        )  # the kernel itself runs qkv_prep first on steps that are not decode-only
         if not fused:
-            head_dim = k_cache.shape[3]
-            q = prep.run_qkv_prep(q, k_cache.shape[2], head_dim, k_cache, v_cache, k_scale, v_scale)
+            num_kv_heads, head_dim = k_cache.shape[2:]
+            q = prep.run_qkv_prep(q, num_kv_heads, head_dim, k_cache, v_cache, k_scale, v_scale)
             prep = None
     if metadata.backend == "triton":
         from vtllm.worker.kernels import paged_attention as kernels

@@ -66,10 +66,9 @@ from vtllm.worker.kernels.kv_splits import (
     split_partials,
 )
 from vtllm.worker.kernels.qkv_prep import (
-    GEMMA_NORM,
-    LLAMA_NORM,
     NO_NORM,
-    check_stream,
+    check_inputs,
+    norm_kind,
     prep_heads,
     qkv_prep,
     rotary_lanes,
@@ -539,6 +538,14 @@ class DecodePrep:
             self.input_eps,
         )  # fmt: skip
 
+    def check(self, qkv, num_kv_heads, head_dim, k_cache) -> None:
+        """``qkv_prep``'s checks of these inputs with ``qkv``: ValueError naming what
+        disagrees."""
+        check_inputs(
+            qkv, self.num_heads, num_kv_heads, head_dim, self.positions, self.cos_sin_cache,
+            k_cache, self.slot_mapping, self.input_stream,
+        )  # fmt: skip
+
 
 @dataclass(frozen=True)
 class AttentionTiles:
@@ -627,14 +634,14 @@ def paged_attention(
     """
     num_seqs = seq_lens.shape[0]
     if prep is not None:
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        num_kv_heads, head_dim = k_cache.shape[2:]
         fused = q.shape[0] == num_seqs and not search_sequences
         if not fused or not (DECODE_PREFETCH if decode_prefetch is None else decode_prefetch):
             q = prep.run_qkv_prep(q, num_kv_heads, head_dim, k_cache, v_cache, k_scale, v_scale)
             prep = None
         else:
-            qkv = q
-            q = qkv.view(qkv.shape[0], -1, head_dim)[:, : prep.num_heads]  # strides only
+            prep.check(q, num_kv_heads, head_dim, k_cache)
+            q = q.view(q.shape[0], -1, head_dim)[:, : prep.num_heads]  # qkv's q heads, strided
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     _check_inputs(q, k_cache, v_cache, query_start_loc, block_tables, num_seqs)
@@ -719,8 +726,8 @@ def paged_attention(
 
 
 def _prep_args(prep: DecodePrep | None, q: torch.Tensor, k_cache: torch.Tensor) -> dict:
-    """The kernel's PREP arguments: ``prep``'s tensors and constexprs, or placeholders
-    (never read) without it."""
+    """The kernel's PREP arguments: ``prep``'s tensors and constexprs (its inputs already
+    checked), or placeholders (never read) without it."""
     if prep is None:
         unread = q
         return dict(
@@ -730,18 +737,9 @@ def _prep_args(prep: DecodePrep | None, q: torch.Tensor, k_cache: torch.Tensor) 
             HALF=1, NORM=NO_NORM, WEIGHT_OFFSET=1.0, INPUT_RSTD=False, HIDDEN_PAD=1,
             FP8_MAX=0.0,
         )  # fmt: skip
-    num_tokens, head_dim = q.shape[0], q.shape[2]
-    rotary_dim = prep.cos_sin_cache.shape[1]
-    if rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_dim {head_dim}")
-    if prep.positions.shape != (num_tokens,) or prep.slot_mapping.shape != (num_tokens,):
-        raise ValueError(
-            f"positions {tuple(prep.positions.shape)} / slot_mapping "
-            f"{tuple(prep.slot_mapping.shape)} for {num_tokens} tokens"
-        )
-    check_stream(q, prep.input_stream)
+    rotary_dim = prep.cos_sin_cache.shape[1]  # inputs checked (DecodePrep.check)
     stream = prep.input_stream if prep.input_stream is not None else q
-    norm = NO_NORM if prep.q_norm is None else GEMMA_NORM if prep.gemma_norm else LLAMA_NORM
+    norm = norm_kind(prep.q_norm, prep.gemma_norm)
     return dict(
         positions_ptr=prep.positions, cos_sin_cache_ptr=prep.cos_sin_cache,
         slot_mapping_ptr=prep.slot_mapping,

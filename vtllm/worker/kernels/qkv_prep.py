@@ -194,7 +194,16 @@ def _qkv_prep_kernel(
             tl.store(v_cache_ptr + v_dst + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_cache, slots):
+def norm_kind(q_norm: torch.Tensor | None, gemma_norm: bool) -> int:
+    """The kernels' NORM constexpr for these q/k norm arguments."""
+    return NO_NORM if q_norm is None else GEMMA_NORM if gemma_norm else LLAMA_NORM
+
+
+def check_inputs(
+    qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_cache, slots, stream
+) -> None:
+    """ValueError naming what disagrees among ``qkv_prep``'s inputs (also
+    ``paged_attention``'s fused prep)."""
     num_tokens = qkv.shape[0]
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(-1) != 1:
@@ -215,9 +224,6 @@ def _check(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_c
             f"cache holds [{', '.join(map(str, k_cache.shape[2:]))}] per slot, the layer "
             f"[{num_kv_heads}, {head_dim}]"
         )
-
-
-def check_stream(qkv: torch.Tensor, stream: torch.Tensor | None) -> None:
     if stream is not None and (
         stream.dim() != 2
         or stream.shape[0] != qkv.shape[0]
@@ -253,14 +259,16 @@ def qkv_prep(
     """q ``[num_tokens, num_heads, head_dim]`` (new, contiguous), normed and rotated; k
     (normed, rotated) and v stored at their slots of the caches; qkv is not modified. Same
     contract as ``qkv_prep_ref``. ValueError on shapes that disagree or an FP8 cache without scales."""
-    _check(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_cache, slot_mapping)
-    check_stream(qkv, input_stream)
+    check_inputs(
+        qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_cache,
+        slot_mapping, input_stream,
+    )  # fmt: skip
     quantize = _check_scales(k_cache, k_scale, v_scale)
     num_tokens = qkv.shape[0]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
-    norm = NO_NORM if q_norm is None else GEMMA_NORM if gemma_norm else LLAMA_NORM
+    norm = norm_kind(q_norm, gemma_norm)
     unread = cos_sin_cache  # any pointer for the arguments a constexpr leaves unread
     stream = qkv if input_stream is None else input_stream
     hidden = stream.shape[1]
@@ -304,8 +312,10 @@ def qkv_prep_ref(
     input_eps: float = 1e-6,
 ) -> torch.Tensor:
     """Plain-torch ``qkv_prep`` (same contract): the unfused norm, rotary and cache write."""
-    _check(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_cache, slot_mapping)
-    check_stream(qkv, input_stream)
+    check_inputs(
+        qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, k_cache,
+        slot_mapping, input_stream,
+    )  # fmt: skip
     num_tokens = qkv.shape[0]
     if input_stream is not None:  # the input norm's 1/rms, as rms_norm computes it
         stream = input_stream.float()

@@ -284,22 +284,6 @@ class LlamaAttention(nn.Module):
             input_stream=input_stream, input_eps=input_eps,
         )  # fmt: skip
 
-    def _prep_on_gpu(
-        self,
-        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """q ``[num_tokens, heads, head_dim]`` from ``kernels/qkv_prep.py``, k and v
-        written to the cache (what the CPU branch of ``forward`` does in several steps)."""
-        prep = self._decode_prep(positions, rotary, metadata)
-        return prep.run_qkv_prep(
-            qkv, self.num_kv_heads, self.head_dim, k_cache, v_cache, self.k_scale, self.v_scale
-        )
-
 
 class LlamaMLP(nn.Module):
     def __init__(self, args: LlamaArgs, tp: TPGroup) -> None:
