@@ -34,7 +34,7 @@ from vtllm.api_servers import ApiServers, metrics_paths, peers_of
 from vtllm.config import VtllmConfig
 from vtllm.engine_core.core_proc import run_engine_core
 from vtllm.log import configure_logging
-from vtllm.process import set_process_title
+from vtllm.process import set_process_title, stop_resource_tracker
 from vtllm.protocol import transport
 from vtllm.startup import (
     StartupError,
@@ -128,18 +128,6 @@ def stop_process(process: multiprocessing.process.BaseProcess, timeout_s: float 
         logger.warning("engine core did not stop within %.0fs; killing it", timeout_s)
         process.kill()
         process.join(5)
-
-
-def stop_resource_tracker() -> None:
-    """Stop multiprocessing's resource-tracker helper (started by spawning the engine
-    core) and reap it, so that this process exits after its last child, not before.
-    Left alone it notices our exit a moment later, racing "exit after every child"."""
-    import multiprocessing.resource_tracker as resource_tracker
-
-    stop = getattr(getattr(resource_tracker, "_resource_tracker", None), "_stop", None)
-    if stop is not None:  # CPython 3.8+; private, hence the guard
-        with contextlib.suppress(Exception):
-            stop()
 
 
 @contextlib.contextmanager

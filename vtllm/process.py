@@ -47,3 +47,15 @@ def become_child_process(title: str, controlled_by_parent: bool = False) -> None
         die_with_parent()
     set_process_title(title)
     configure_logging(title)
+
+
+def stop_resource_tracker() -> None:
+    """Stop multiprocessing's resource-tracker helper (started by spawning a child
+    process) and reap it, so that this process exits after its last child, not before.
+    Left alone it notices our exit a moment later, racing "exit after every child"."""
+    import multiprocessing.resource_tracker as resource_tracker
+
+    stop = getattr(getattr(resource_tracker, "_resource_tracker", None), "_stop", None)
+    if stop is not None:  # CPython 3.8+; private, hence the guard
+        with contextlib.suppress(Exception):
+            stop()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -66,8 +65,8 @@ def test_two_frontends_share_the_port_and_the_metrics(smollm2_dir, vt_cache_dir)
         pids = descendants(srv.process.pid)
         os.kill(srv.process.pid, signal.SIGTERM)  # the main process alone
         assert srv.wait_exit(60) == 0, srv.tail()
-        time.sleep(0.5)
-        assert not [p for p in pids if is_alive(p)], srv.tail()
+        survivors = {p: cmdline(p) for p in pids if is_alive(p)}
+        assert not survivors, f"children outlived the main process: {survivors}\n{srv.tail()}"
         assert "Traceback" not in srv.log(), srv.tail()
     finally:
         srv.stop()
@@ -82,7 +81,7 @@ def test_a_frontend_that_dies_stops_the_server_non_zero(smollm2_dir, vt_cache_di
         os.kill(api_server, signal.SIGKILL)
         assert srv.wait_exit(60) != 0, srv.tail()
         assert "API server 1 exited with code -9" in srv.log()
-        time.sleep(0.5)
-        assert not [p for p in pids if is_alive(p)], srv.tail()
+        survivors = {p: cmdline(p) for p in pids if is_alive(p)}
+        assert not survivors, f"children outlived the main process: {survivors}\n{srv.tail()}"
     finally:
         srv.stop()

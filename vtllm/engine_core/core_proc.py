@@ -28,7 +28,7 @@ from vtllm.engine_core.core import ClientId, EngineCore, EngineFacts, Outputs
 from vtllm.engine_core.executor import MultiprocExecutor, WorkerDiedError
 from vtllm.engine_core.guards import KVCacheTooSmallError, check_kv_cache_fits
 from vtllm.engine_core.step_log import StepHeartbeat
-from vtllm.process import become_child_process
+from vtllm.process import become_child_process, stop_resource_tracker
 from vtllm.protocol import codec, transport
 from vtllm.protocol import messages as m
 
@@ -305,6 +305,7 @@ def run_engine_core(
         if heartbeat is not None:
             heartbeat.stop()
         executor.shutdown()
+        stop_resource_tracker()  # spawned with the workers: reaped, so none outlives us
         channel.stop()
         channel.join(5)
         proc.close()
