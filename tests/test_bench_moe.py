@@ -56,6 +56,8 @@ def test_bench_all_runs_a_moe_shape_with_random_length_prompts(tmp_path):
         outputs += rng.randint(2, 9)
     assert throughput["kind"] == "throughput" and throughput["num_prompts"] == 5
     assert (throughput["input_tokens"], throughput["output_tokens"]) == (inputs, outputs)
+    # an untimed warm-up of min(32, 5) prompts ran first and is not in the counts above
+    assert throughput["warmup_prompts"] == 5 and throughput["warmup_s"] > 0
     assert "weights: " in child.stderr and "host RSS peak" in child.stderr  # start-up log
 
 
