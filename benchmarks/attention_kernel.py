@@ -23,7 +23,11 @@ its own (``kv_splits.choose_num_kv_splits``):
 ``--split-counts 1`` times the single pass alone (e.g. to compare two trees: the script
 imports the ``vtllm`` of the tree it sits in); ``--decode-prefetch both`` times the
 kernel's shorter decode chain of loads (``paged_attention.DECODE_PREFETCH``) beside the
-default.
+default. ``--kv-cache-dtypes bf16 fp8`` times each decode over a bf16 and an e4m3 cache
+(``--kv-cache-dtype fp8``: unit scales, the kernel's dequantising loads) with the GB/s of
+K and V each moved:
+
+    python3 benchmarks/attention_kernel.py --splits --split-counts 1 8 --kv-cache-dtypes bf16 fp8
 """
 
 from __future__ import annotations
@@ -50,9 +54,16 @@ from vtllm.worker.platform import detect_platform  # noqa: E402
 BLOCK_SIZE = 16
 
 
-def _paged(seq_lens: list[int], q_lens: list[int], heads: int, kv_heads: int, head_dim: int):
-    """(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) on the GPU, bf16,
-    each sequence's blocks scattered over the cache."""
+def _paged(
+    seq_lens: list[int],
+    q_lens: list[int],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    kv_dtype: torch.dtype = torch.bfloat16,
+):
+    """(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) on the GPU: q bf16,
+    the caches ``kv_dtype``, each sequence's blocks scattered over the cache."""
     device = torch.device("cuda")
     blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(blocks)
@@ -63,8 +74,8 @@ def _paged(seq_lens: list[int], q_lens: list[int], heads: int, kv_heads: int, he
         table[i, :n] = order[start : start + n]
         start += n
     shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
-    k_cache = torch.randn(shape, dtype=torch.bfloat16, device=device)
-    v_cache = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    k_cache = torch.randn(shape, dtype=torch.bfloat16, device=device).to(kv_dtype)
+    v_cache = torch.randn(shape, dtype=torch.bfloat16, device=device).to(kv_dtype)
     q = torch.randn(sum(q_lens), heads, head_dim, dtype=torch.bfloat16, device=device)
     loc = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
@@ -172,29 +183,38 @@ def bench_splits(
     context: int,
     counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
     prefetch_modes: tuple[bool, ...] = (False,),
+    kv_cache_dtype: str = "bf16",
 ) -> None:
     """JSON lines: µs a decode call (device graphs) at each split count of ``counts``, for
-    each ``decode_prefetch`` of ``prefetch_modes``."""
+    each ``decode_prefetch`` of ``prefetch_modes``, over a ``kv_cache_dtype`` ("bf16" or
+    "fp8": the platform's e4m3, unit scales) cache, with the GB/s of K and V it moved."""
     from vtllm.worker.kernels.kv_splits import choose_num_kv_splits
 
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    q, k_cache, v_cache, loc, lens, table = _paged(
-        [context] * batch, [1] * batch, heads, kv_heads, head_dim
-    )
-    out = torch.empty_like(q)
     platform = detect_platform(0)
+    fp8 = kv_cache_dtype == "fp8"
+    kv_dtype = platform.fp8_dtype if fp8 else torch.bfloat16
+    q, k_cache, v_cache, loc, lens, table = _paged(
+        [context] * batch, [1] * batch, heads, kv_heads, head_dim, kv_dtype
+    )
+    unit = torch.ones((), dtype=torch.float32, device=q.device) if fp8 else None
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * k_cache.element_size()
+    out = torch.empty_like(q)
     picked = choose_num_kv_splits(batch, batch, kv_heads, context)
     for splits, prefetch in itertools.product(counts, prefetch_modes):
 
         def run(i, splits=splits, prefetch=prefetch):
             paged_attention(q, k_cache, v_cache, loc, lens, table, head_dim**-0.5,
-                            num_kv_splits=splits, out=out, decode_prefetch=prefetch)  # fmt: skip
+                            num_kv_splits=splits, out=out, k_scale=unit, v_scale=unit,
+                            decode_prefetch=prefetch)  # fmt: skip
 
         row = {"kind": "decode-splits", "model": shape, "batch": batch, "context": context,
-               "splits": splits, "decode_prefetch": prefetch, "launcher_picks": picked}  # fmt: skip
+               "splits": splits, "decode_prefetch": prefetch, "launcher_picks": picked,
+               "kv_cache_dtype": kv_cache_dtype}  # fmt: skip
         try:
             row["us"] = round(platform.graph_us(run), 2)
+            row["gb_s"] = round(kv_bytes / row["us"] / 1e3, 1)
         except Exception as e:  # noqa: BLE001 - report, go on
             row["error"] = f"{type(e).__name__}: {str(e)[:150]}"
         print(json.dumps(row), flush=True)
@@ -228,16 +248,18 @@ def main() -> None:
                         help="with --splits: the split counts timed")  # fmt: skip
     parser.add_argument("--decode-prefetch", choices=["off", "on", "both"], default="off",
                         help="with --splits: paged_attention's decode_prefetch")  # fmt: skip
+    parser.add_argument("--kv-cache-dtypes", nargs="+", choices=["bf16", "fp8"],
+                        default=["bf16"], help="with --splits: the caches timed")  # fmt: skip
     args = parser.parse_args()
     detect_platform(0).set_device()
     decodes = [tuple(int(x) for x in workload.split("x")) for workload in args.decode]
     for shape in args.shapes:
         hf = MODEL_SHAPES[shape]
         if args.splits:
-            for batch, context in decodes:
-                prefetch = {"off": (False,), "on": (True,), "both": (False, True)}
+            prefetch = {"off": (False,), "on": (True,), "both": (False, True)}
+            for (batch, context), kv in itertools.product(decodes, args.kv_cache_dtypes):
                 bench_splits(shape, hf, batch, context, tuple(args.split_counts),
-                             prefetch[args.decode_prefetch])  # fmt: skip
+                             prefetch[args.decode_prefetch], kv)  # fmt: skip
             continue
         bench_prefill(shape, hf, args.prefill_len, args.sweep)
         for batch, context in decodes:

@@ -36,6 +36,9 @@
 #   attn-prefetch the decode attention with and without its shorter chain of loads
 #                 (paged_attention.DECODE_PREFETCH, on by default): --splits --split-counts 1 8
 #                 --decode-prefetch both on three shapes at 1x160, 1x1024, 256x1024, 64x4096
+#   attn-fp8kv    the decode attention over a bf16 and an e4m3 KV cache (--splits
+#                 --split-counts 1 8 --kv-cache-dtypes bf16 fp8; GB/s of K/V moved) on the
+#                 Llama-3-8B and Qwen3-0.6B shapes at 256x1024, 64x4096, 1x1024
 #   attn-sweep    benchmarks/attention_kernel.py: the paged-attention kernel's launch
 #                 configurations on the Llama-3-8B shape (8k prefill vs torch SDPA, decodes)
 #   tput-SHAPE    `vtllm bench throughput` alone (256 prompts [100, 1024]), default flags plus
@@ -158,6 +161,11 @@ for phase in "$@"; do
       timeout 240 python3 benchmarks/attention_kernel.py --splits --shapes qwen3-0.6b qwen3-30b-a3b \
         --decode 1x160 1x1024 1x8192 8x1024 >> "$OUT/attn_splits.jsonl" 2>> "$OUT/attn_splits.log"
       cut -c1-200 "$OUT/attn_splits.jsonl"; tail -3 "$OUT/attn_splits.log" ;;
+    attn-fp8kv)
+      timeout 240 python3 benchmarks/attention_kernel.py --splits --split-counts 1 8 \
+        --shapes llama3-8b qwen3-0.6b --decode 256x1024 64x4096 1x1024 \
+        --kv-cache-dtypes bf16 fp8 >> "$OUT/attn_fp8kv.jsonl" 2>> "$OUT/attn_fp8kv.log"
+      cut -c1-230 "$OUT/attn_fp8kv.jsonl"; tail -3 "$OUT/attn_fp8kv.log" ;;
     ab-attn)
       if [ ! -d "${BASE_TREE:-}" ]; then echo "skip $phase: no \$BASE_TREE"; continue; fi
       cp benchmarks/attention_kernel.py "$BASE_TREE/benchmarks/"
