@@ -30,7 +30,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vtllm.bench import MODEL_SHAPES, shape_config  # noqa: E402
+from vtllm.bench import MODEL_SHAPES, shape_config, throughput_requests  # noqa: E402
 
 
 def build_model(shape: str):
@@ -71,13 +71,8 @@ def latency(model, args, vocab: int) -> dict:
 
 
 def throughput(model, args, vocab: int) -> dict:
-    rng = random.Random(0)
-    lo_in, hi_in = args.input_len_range
-    lo_out, hi_out = args.output_len_range
-    requests = []
-    for _ in range(args.num_prompts):  # the same draws, in the same order, as vtllm bench
-        prompt = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(lo_in, hi_in))]
-        requests.append((prompt, rng.randint(lo_out, hi_out)))
+    # the timed requests of vtllm bench throughput: the same draws, in the same order
+    requests = [(p, o) for _, p, o in throughput_requests(args, vocab, args.num_prompts, 0, "hf")]
     width = max(len(p) for p, _ in requests)
     ids = torch.zeros((len(requests), width), dtype=torch.long, device="cuda")
     mask = torch.zeros_like(ids)

@@ -324,11 +324,12 @@ def measure_matmul_tflops(m_rows: int, k: int, n: int, dtype_name: str, repeats:
     return 2 * m_rows * k * n * repeats / elapsed
 
 
-def _throughput_requests(
+def throughput_requests(
     args: argparse.Namespace, vocab: int, count: int, seed: int, prefix: str
 ) -> list[tuple[str, list[int], int]]:
     """``count`` requests ``(id, prompt, output length)``, lengths uniform in the argument
-    ranges (inclusive), drawn from ``seed``."""
+    ranges (inclusive), drawn from ``seed`` (0: the timed workload, which
+    ``benchmarks/hf_baseline.py`` replays)."""
     rng = random.Random(seed)
     lo_in, hi_in = args.input_len_range
     lo_out, hi_out = args.output_len_range
@@ -374,9 +375,9 @@ def bench_throughput(client, args: argparse.Namespace, vocab: int) -> dict[str, 
     warmup_s = 0.0
     if num_warmup > 0:
         started = time.perf_counter()
-        _run_to_completion(client, _throughput_requests(args, vocab, num_warmup, 1, "warm"))
+        _run_to_completion(client, throughput_requests(args, vocab, num_warmup, 1, "warm"))
         warmup_s = time.perf_counter() - started
-    requests = _throughput_requests(args, vocab, args.num_prompts, 0, "tp")
+    requests = throughput_requests(args, vocab, args.num_prompts, 0, "tp")
     started = time.perf_counter()
     num_out, first_step = _run_to_completion(client, requests)
     wall = time.perf_counter() - started
