@@ -198,7 +198,9 @@ def bench_splits(
     q, k_cache, v_cache, loc, lens, table = _paged(
         [context] * batch, [1] * batch, heads, kv_heads, head_dim, kv_dtype
     )
-    unit = torch.ones((), dtype=torch.float32, device=q.device) if fp8 else None
+    unit = torch.ones((), dtype=torch.float32, device=q.device)
+    # bf16 passes no scales: the script also runs inside older trees (h200_run.sh ab-attn)
+    scales = {"k_scale": unit, "v_scale": unit} if fp8 else {}
     kv_bytes = 2 * batch * context * kv_heads * head_dim * k_cache.element_size()
     out = torch.empty_like(q)
     picked = choose_num_kv_splits(batch, batch, kv_heads, context)
@@ -206,8 +208,8 @@ def bench_splits(
 
         def run(i, splits=splits, prefetch=prefetch):
             paged_attention(q, k_cache, v_cache, loc, lens, table, head_dim**-0.5,
-                            num_kv_splits=splits, out=out, k_scale=unit, v_scale=unit,
-                            decode_prefetch=prefetch)  # fmt: skip
+                            num_kv_splits=splits, out=out, decode_prefetch=prefetch,
+                            **scales)  # fmt: skip
 
         row = {"kind": "decode-splits", "model": shape, "batch": batch, "context": context,
                "splits": splits, "decode_prefetch": prefetch, "launcher_picks": picked,
