@@ -28,6 +28,11 @@ default. ``--kv-cache-dtypes bf16 fp8`` times each decode over a bf16 and an e4m
 K and V each moved:
 
     python3 benchmarks/attention_kernel.py --splits --split-counts 1 8 --kv-cache-dtypes bf16 fp8
+
+Without ``--splits`` the same flag times the tiles' decodes over each cache; ``--sweep
+--no-prefill --kv-cache-dtypes fp8`` sweeps the FP8 cache's decode tiles (a grid with
+256-key tiles and 5 stages, since a tile holds half the bytes); ``--fp8-fp16-operands
+both`` times each FP8 configuration with fp16 and with bf16 dots.
 """
 
 from __future__ import annotations
@@ -97,20 +102,28 @@ def _time_ms(fn, repeats: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _default_tiles(decode: bool, group: int, head_dim: int) -> AttentionTiles:
-    """What the launcher picks for bf16 queries on this GPU."""
+def _default_tiles(decode: bool, group: int, head_dim: int, cache_bytes: int = 2) -> AttentionTiles:
+    """What the launcher picks for bf16 queries over a cache of ``cache_bytes``-byte
+    elements on this GPU."""
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     smem = max_shared_memory(torch.device("cuda"))
-    return choose_tiles(decode, group, head_dim_pad, 2, smem)
+    if cache_bytes == 2:  # the call older trees accept (h200_run.sh ab-attn)
+        return choose_tiles(decode, group, head_dim_pad, 2, smem)
+    return choose_tiles(decode, group, head_dim_pad, 2, smem, cache_element_size=cache_bytes)
 
 
-def _configs(default: AttentionTiles, group: int, decode: bool, sweep: bool):
+def _configs(default: AttentionTiles, group: int, decode: bool, sweep: bool, cache_bytes: int = 2):
+    """The launch configurations timed: the default alone, or with ``sweep`` a grid (an
+    FP8 cache's also with 256-key tiles and 5 stages: half the bytes a tile)."""
     if not sweep:
         return [default]
     rows = [16] if decode else [64, 128]
     stage_counts = [2, 3, 4] if decode else [2, 3]
+    tile_ns = [32, 64, 128]
+    if cache_bytes == 1:
+        tile_ns, stage_counts = [64, 128, 256], [2, 3, 4, 5]
     found = [default]
-    grid = itertools.product(rows, [32, 64, 128], [4, 8], stage_counts)
+    grid = itertools.product(rows, tile_ns, [4, 8], stage_counts)
     for block_m, tile_n, warps, stages in grid:
         tiles = AttentionTiles(max(block_m, triton.next_power_of_2(group)), tile_n, warps, stages)
         if tiles not in found:
@@ -148,30 +161,50 @@ def bench_prefill(shape: str, hf: dict, length: int, sweep: bool) -> None:
         _report(common, tiles, tiles == default, run, flop=flop)
 
 
-def bench_decode(shape: str, hf: dict, batch: int, context: int, sweep: bool) -> None:
+def bench_decode(
+    shape: str,
+    hf: dict,
+    batch: int,
+    context: int,
+    sweep: bool,
+    kv_cache_dtype: str = "bf16",
+    fp16_operands: tuple[bool, ...] = (True,),
+) -> None:
+    """JSON lines: a decode batch's ms and GB/s of K/V at each launch configuration (with
+    ``sweep``), over a ``kv_cache_dtype`` cache; an FP8 cache's once per
+    ``fp16_operands`` (``paged_attention``'s ``fp8_fp16_operands``)."""
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    fp8 = kv_cache_dtype == "fp8"
+    kv_dtype = detect_platform(0).fp8_dtype if fp8 else torch.bfloat16
     q, k_cache, v_cache, loc, lens, table = _paged(
-        [context] * batch, [1] * batch, heads, kv_heads, head_dim
+        [context] * batch, [1] * batch, heads, kv_heads, head_dim, kv_dtype
     )
+    unit = torch.ones((), dtype=torch.float32, device=q.device)
+    scales = {"k_scale": unit, "v_scale": unit} if fp8 else {}  # bf16: older trees' call
     scale = head_dim**-0.5
-    kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
+    cache_bytes = k_cache.element_size()
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * cache_bytes
     common = {"kind": "decode", "model": shape, "batch": batch, "context": context}
-    default = _default_tiles(True, heads // kv_heads, head_dim)
-    for tiles in _configs(default, heads // kv_heads, True, sweep):
+    if fp8:
+        common["kv_cache_dtype"] = kv_cache_dtype
+    default = _default_tiles(True, heads // kv_heads, head_dim, cache_bytes)
+    configs = _configs(default, heads // kv_heads, True, sweep, cache_bytes)
+    for tiles, fp16 in itertools.product(configs, fp16_operands if fp8 else (None,)):
         out = torch.empty_like(q)
+        variant = {"fp8_fp16_operands": fp16} if fp8 else {}
 
-        def run(tiles=tiles, out=out):
+        def run(tiles=tiles, out=out, variant=variant):
             paged_attention(q, k_cache, v_cache, loc, lens, table, scale, max_seq_len=context,
-                            out=out, tiles=tiles)  # fmt: skip
+                            out=out, tiles=tiles, **scales, **variant)  # fmt: skip
 
-        _report(common, tiles, tiles == default, run, kv_bytes=kv_bytes)
+        _report({**common, **variant}, tiles, tiles == default, run, kv_bytes=kv_bytes)
     # the default tiles with the sequence search of mixed steps (program i is not seq i)
     out = torch.empty_like(q)
 
     def searched(out=out):
         paged_attention(q, k_cache, v_cache, loc, lens, table, scale, max_seq_len=context,
-                        out=out, tiles=default, search_sequences=True)  # fmt: skip
+                        out=out, tiles=default, search_sequences=True, **scales)  # fmt: skip
 
     _report({**common, "searched": True}, default, False, searched, kv_bytes=kv_bytes)
 
@@ -251,7 +284,10 @@ def main() -> None:
     parser.add_argument("--decode-prefetch", choices=["off", "on", "both"], default="off",
                         help="with --splits: paged_attention's decode_prefetch")  # fmt: skip
     parser.add_argument("--kv-cache-dtypes", nargs="+", choices=["bf16", "fp8"],
-                        default=["bf16"], help="with --splits: the caches timed")  # fmt: skip
+                        default=["bf16"], help="the caches the decodes are timed over")  # fmt: skip
+    parser.add_argument("--no-prefill", action="store_true", help="decodes only")
+    parser.add_argument("--fp8-fp16-operands", choices=["off", "on", "both"], default="on",
+                        help="FP8-cache decodes: the fp16 dots, the bf16 ones, or both")  # fmt: skip
     args = parser.parse_args()
     detect_platform(0).set_device()
     decodes = [tuple(int(x) for x in workload.split("x")) for workload in args.decode]
@@ -263,9 +299,11 @@ def main() -> None:
                 bench_splits(shape, hf, batch, context, tuple(args.split_counts),
                              prefetch[args.decode_prefetch], kv)  # fmt: skip
             continue
-        bench_prefill(shape, hf, args.prefill_len, args.sweep)
-        for batch, context in decodes:
-            bench_decode(shape, hf, batch, context, args.sweep)
+        if not args.no_prefill:
+            bench_prefill(shape, hf, args.prefill_len, args.sweep)
+        fp16 = {"off": (False,), "on": (True,), "both": (False, True)}[args.fp8_fp16_operands]
+        for (batch, context), kv in itertools.product(decodes, args.kv_cache_dtypes):
+            bench_decode(shape, hf, batch, context, args.sweep, kv, fp16)
 
 
 if __name__ == "__main__":

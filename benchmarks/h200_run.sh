@@ -39,6 +39,9 @@
 #   attn-fp8kv    the decode attention over a bf16 and an e4m3 KV cache (--splits
 #                 --split-counts 1 8 --kv-cache-dtypes bf16 fp8; GB/s of K/V moved) on the
 #                 Llama-3-8B and Qwen3-0.6B shapes at 256x1024, 64x4096, 1x1024
+#   attn-sweep-fp8  the decode tiles over an e4m3 KV cache (--sweep --no-prefill
+#                 --kv-cache-dtypes fp8 --fp8-fp16-operands both; the bf16 default beside) on the Llama-3-8B shape at
+#                 256x1024 and 64x4096 and the Qwen3-0.6B shape at 256x1024
 #   attn-sweep    benchmarks/attention_kernel.py: the paged-attention kernel's launch
 #                 configurations on the Llama-3-8B shape (8k prefill vs torch SDPA, decodes)
 #   tput-SHAPE    `vtllm bench throughput` alone (256 prompts [100, 1024]), default flags plus
@@ -181,6 +184,17 @@ for phase in "$@"; do
         --decode-prefetch both --shapes qwen3-0.6b qwen3-30b-a3b llama3-8b \
         --decode 1x160 1x1024 256x1024 64x4096 >> "$OUT/attn_prefetch.jsonl" 2>> "$OUT/attn_prefetch.log"
       cut -c1-190 "$OUT/attn_prefetch.jsonl"; tail -3 "$OUT/attn_prefetch.log" ;;
+    attn-sweep-fp8)
+      for shape in llama3-8b qwen3-0.6b; do
+        decodes="256x1024 64x4096"; [ $shape = qwen3-0.6b ] && decodes="256x1024"
+        timeout 200 python3 benchmarks/attention_kernel.py --no-prefill --shapes $shape \
+          --decode $decodes >> "$OUT/attn_sweep_fp8.jsonl" 2>> "$OUT/attn_sweep_fp8.log"
+        timeout 300 python3 benchmarks/attention_kernel.py --sweep --no-prefill --shapes $shape \
+          --decode $decodes --kv-cache-dtypes fp8 --fp8-fp16-operands both \
+          >> "$OUT/attn_sweep_fp8.jsonl" \
+          2>> "$OUT/attn_sweep_fp8.log"
+      done
+      grep -v searched "$OUT/attn_sweep_fp8.jsonl" | cut -c1-200; tail -3 "$OUT/attn_sweep_fp8.log" ;;
     attn-sweep)
       timeout 240 python3 benchmarks/attention_kernel.py --sweep --shapes llama3-8b \
         >> "$OUT/attention.jsonl" 2>> "$OUT/attention.log"

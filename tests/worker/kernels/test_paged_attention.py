@@ -187,6 +187,10 @@ def test_fused_prep_matches_qkv_prep_then_attention(
 def test_default_tiles_follow_the_sweep_only_where_they_fit():
     hopper = 227 * 1024
     assert choose_tiles(True, 4, 128, 2, hopper) == AttentionTiles(16, 128, 4, 2)
+    # over an FP8 cache a tile is half the bytes: one more stage in flight
+    assert choose_tiles(True, 4, 128, 2, hopper, 1) == AttentionTiles(16, 128, 4, 3)
+    assert choose_tiles(True, 4, 128, 2, hopper, 2) == AttentionTiles(16, 128, 4, 2)
+    assert choose_tiles(False, 4, 128, 2, hopper, 1) == AttentionTiles(64, 32, 4, 2)
     # steps with prefill rows keep 64x32: 128x64 cost mixed steps (choose_tiles' docstring)
     assert choose_tiles(False, 4, 128, 2, hopper) == AttentionTiles(64, 32, 4, 2)
     # fp32 queries, a 256-wide head, MI300's 64 KiB LDS: the first sweep's tiles
@@ -443,3 +447,61 @@ def test_gpu_fused_prep_matches_the_prep_kernel_then_attention(cache_dtype, num_
     for cache, unfused in zip(caches, unfused_caches, strict=True):
         assert torch.equal(cache.view(torch.uint8), unfused.view(torch.uint8))
     assert_close(actual, expected, f"fused prep, {num_kv_splits} splits")
+
+
+def _fp8_batch(q_lens, context_lens, heads, kv_heads, head_dim, device, generator):
+    """A paged batch with bf16 queries over e4m3 caches (scales 0.05 / 0.04), and the
+    fp32 reference's output on the same numbers."""
+    batch = make_paged_batch(
+        q_lens, context_lens, heads, kv_heads, head_dim, 16, torch.float32, device, generator
+    )
+    fp8 = torch.float8_e4m3fn
+    caches = [torch.nan_to_num(batch.k_cache).div(0.05), torch.nan_to_num(batch.v_cache).div(0.04)]
+    caches = [c.clamp(-448, 448).to(fp8) for c in caches]
+    scales = dict(
+        k_scale=torch.tensor(0.05, device=device), v_scale=torch.tensor(0.04, device=device)
+    )
+    q = batch.q.to(torch.bfloat16)
+    args = (batch.query_start_loc, batch.seq_lens, batch.block_tables, head_dim**-0.5, None)
+    expected = paged_attention_ref(q.float(), *caches, *args, **scales)
+    return q, caches, args, scales, expected
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "context_lens", "num_kv_splits"),
+    [(MIXED_Q_LENS, MIXED_CONTEXT_LENS, 1), ([1, 1, 1], [299, 3, 77], 4)],
+)
+def test_fp8_cache_with_bf16_queries_attends_in_fp16(
+    q_lens, context_lens, num_kv_splits, device, generator
+):
+    """bf16 queries over an FP8 cache take fp16 dots (``FP8_FP16_OPERANDS``: the cache's
+    e4m3 and the queries both exact in fp16): a mixed step and split-KV decodes match
+    the fp32 reference of the dequantised cache at bf16's tolerance."""
+    q, caches, args, scales, expected = _fp8_batch(
+        q_lens, context_lens, 8, 2, 64, device, generator
+    )
+    actual = paged_attention(q, *caches, *args, num_kv_splits=num_kv_splits, **scales)
+    assert actual.dtype == torch.bfloat16
+    assert_close(actual, expected, f"fp16 dots, {num_kv_splits} splits")
+
+
+@gpu
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_gpu_fp8_cache_fp16_dots_are_no_less_accurate_than_bf16_dots(decode_only, device):
+    """Llama-3-8B heads (32 / 8 of 128): the FP8 cache's fp16 dots (default) and its bf16
+    dots both match the fp32 reference at bf16's tolerance, the fp16 ones at least as
+    closely (fp16 keeps 3 more mantissa bits of the same exact inputs)."""
+    generator = torch.Generator().manual_seed(11)
+    q_lens = [1] * 8 if decode_only else MIXED_Q_LENS
+    context_lens = [159, 0, 1023, 4000, 31, 700, 128, 127] if decode_only else MIXED_CONTEXT_LENS
+    q, caches, args, scales, expected = _fp8_batch(
+        q_lens, context_lens, 32, 8, 128, device, generator
+    )
+    errors = {}
+    for fp16 in (True, False):
+        actual = paged_attention(
+            q, *caches, *args, max_seq_len=4001, fp8_fp16_operands=fp16, **scales
+        )
+        assert_close(actual, expected, f"fp8_fp16_operands={fp16}")
+        errors[fp16] = (actual.float() - expected.float()).abs().mean().item()
+    assert errors[True] <= errors[False] * 1.05, errors

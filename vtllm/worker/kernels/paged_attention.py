@@ -46,7 +46,7 @@ fewer at batch 1; other steps run ``qkv_prep`` first.
 
 FP8 caches (``worker/kv_cache_dtype.py``) hold ``K / k_scale`` and ``V / v_scale`` in
 e4m3. Dequantising is linear, so the kernel never multiplies a tile: it converts fp8 to
-the query's dtype (exact) and folds the scales into two scalars::
+fp16 (exact; ``FP8_FP16_OPERANDS``) and folds the scales into two scalars::
 
     softmax(q · (k8 · k_scale) · scale) = softmax(q · k8 · (scale · k_scale))
     Σ p · (v8 · v_scale)                = (Σ p · v8) · v_scale
@@ -84,6 +84,13 @@ from vtllm.worker.kv_cache_dtype import dequantize_fp8_ref, is_fp8
 # splits) 7.37-7.47 -> 6.90-7.02 us; 256 x 1,024 and 64 x 4,096 keys within 0.5 %.
 # End to end, batch 1: Qwen3-0.6B 887.4 -> 919.6 tok/s, Qwen3-30B-A3B 284.0 -> 288.7.
 DECODE_PREFETCH = True
+
+# Over an FP8 cache and bf16 queries, the dots take fp16 operands (q converted once, clamped to fp16's
+# range; keys, values and probabilities converted a tile at a time) instead of q's bf16:
+# e4m3 widens to fp16 in one instruction per pair, to bf16 only through fp32. Exact for
+# the cache (e4m3 fits fp16) and for q (bf16 in fp16's normal range; fp16 has 3 more
+# mantissa bits), so results match the bf16-operand kernel's or are closer to fp32.
+FP8_FP16_OPERANDS = True
 
 
 @triton.jit
@@ -351,6 +358,7 @@ def _paged_attention_kernel(
     SLIDING_WINDOW: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr,
     KV_FP8: tl.constexpr,  # the caches hold e4m3 values of K / k_scale, V / v_scale
+    FP16_OPERANDS: tl.constexpr,  # with KV_FP8: the dots in fp16 (FP8_FP16_OPERANDS)
     ONE_QUERY_A_SEQ: tl.constexpr,  # every sequence has one query token: block i is seq i
     DECODE_PREFETCH: tl.constexpr,  # with ONE_QUERY_A_SEQ only: fewer dependent loads
     # PREP (with DECODE_PREFETCH only): q_ptr is the qkv projection (q heads, k heads, v
@@ -433,6 +441,8 @@ def _paged_attention_kernel(
             HEAD_DIM, HEAD_DIM_PAD, HALF, NORM, WEIGHT_OFFSET, INPUT_RSTD, HIDDEN_PAD,
         )  # fmt: skip
 
+    if FP16_OPERANDS:  # k_new/v_new keep q's dtype: _attend_new_key rounds them to e4m3
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     # keys this query block can see: [kv_start, kv_end)
     last_local = tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_end = context_len + last_local + 1
@@ -564,14 +574,21 @@ def choose_tiles(
     head_dim_pad: int,
     element_size: int = 2,
     shared_memory: int = 1 << 40,
+    cache_element_size: int | None = None,
 ) -> AttentionTiles:
-    """The launcher's default tiles for queries of ``element_size`` bytes on a device
-    with ``shared_memory`` bytes a program. Decode-only batches need few query rows per
-    program and wide key tiles; steps with prefill rows take 64-row query tiles.
+    """The launcher's default tiles for queries of ``element_size`` bytes over a cache of
+    ``cache_element_size`` (default: the queries') on a device with ``shared_memory``
+    bytes a program. Decode-only batches need few query rows per program and wide key
+    tiles; steps with prefill rows take 64-row query tiles.
 
     Decode, 16-bit queries, head_dim <= 128, at least 192 KiB (Hopper-class), from an
     H200 sweep (``benchmarks/attention_kernel.py --sweep``, Llama-3-8B heads): 16x128
     (3.40 / 3.63 TB/s at 256 x 1k / 64 x 4k keys, against 3.25 / 2.52 for 16x64).
+    Over a one-byte (FP8) cache, 3 stages: a tile holds half the bytes, so one more in
+    flight (H100 sweep, ``--sweep --no-prefill --kv-cache-dtypes fp8``, fp16 dots, 72
+    configurations: 16x128 w4 s3 the best at 256 x 1k and 64 x 4k keys on the Llama-3-8B
+    shape and 256 x 1k on Qwen3-0.6B's, 1.90 / 2.06 / 1.90 TB/s against 1.87 / 1.91 /
+    1.83 with 2 stages).
     Elsewhere, and for every step with prefill rows: the first sweep's tiles, decode 16x64,
     prefill 64x32, 4 warps (8 for wider heads), 2 stages. The sweep's best 8k-token
     prefill tile (128x64, 8 warps, 3 stages: 1.64 against 2.19 ms a layer) is not the
@@ -581,7 +598,7 @@ def choose_tiles(
     (``first_chunk_attention``) instead."""
     block_m = max(16 if decode_only else 64, triton.next_power_of_2(group_size))
     if decode_only and element_size == 2 and head_dim_pad <= 128 and shared_memory >= 192 * 1024:
-        return AttentionTiles(block_m, 128, 4, 2)
+        return AttentionTiles(block_m, 128, 4, 3 if cache_element_size == 1 else 2)
     tile_n = 64 if decode_only and head_dim_pad <= 128 else 32
     return AttentionTiles(block_m, tile_n, 4 if head_dim_pad <= 128 else 8, 2)
 
@@ -605,6 +622,7 @@ def paged_attention(
     search_sequences: bool = False,
     decode_prefetch: bool | None = None,
     prep: DecodePrep | None = None,
+    fp8_fp16_operands: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged keys and values.
 
@@ -624,7 +642,8 @@ def paged_attention(
     never have zero) gives each sequence one program directly; ``search_sequences`` makes
     it number query blocks as mixed steps do (for benchmarks and tests);
     ``decode_prefetch`` (default ``DECODE_PREFETCH``) gives those programs the shorter
-    chain of loads (same results). Returns ``out`` ``[num_tokens, num_heads, head_dim]``
+    chain of loads (same results); ``fp8_fp16_operands`` (default ``FP8_FP16_OPERANDS``)
+    the fp16 dots over an FP8 cache. Returns ``out`` ``[num_tokens, num_heads, head_dim]``
     in q's dtype.
 
     With ``prep``, ``q`` is the qkv projection ``[num_tokens, (num_heads + 2 *
@@ -668,6 +687,7 @@ def paged_attention(
         head_dim_pad,
         q.element_size(),
         max_shared_memory(q.device),
+        k_cache.element_size(),
     )
     if tiles.block_m < group_size or tiles.block_m & (tiles.block_m - 1):
         raise ValueError(f"block_m {tiles.block_m}: a power of two >= the group {group_size}")
@@ -713,6 +733,9 @@ def paged_attention(
         SLIDING_WINDOW=sliding_window or 0,
         NUM_KV_SPLITS=num_kv_splits,
         KV_FP8=kv_fp8,
+        FP16_OPERANDS=kv_fp8
+        and q.dtype == torch.bfloat16
+        and (FP8_FP16_OPERANDS if fp8_fp16_operands is None else fp8_fp16_operands),
         ONE_QUERY_A_SEQ=one_query_a_seq,
         DECODE_PREFETCH=one_query_a_seq
         and (DECODE_PREFETCH if decode_prefetch is None else decode_prefetch),
