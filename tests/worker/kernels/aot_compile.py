@@ -111,7 +111,7 @@ class Variant:
 
 
 _ATTENTION = dict(SLIDING_WINDOW=0, NUM_KV_SPLITS=1, KV_FP8=False, ONE_QUERY_A_SEQ=False)
-_ATTENTION |= dict(DECODE_PREFETCH=False)
+_ATTENTION |= dict(DECODE_PREFETCH=False, FP16_OPERANDS=False)
 # the attention kernel without its fused q/k prep (PREP)
 _NO_PREP = dict(PREP=False, HALF=1, NORM=0, WEIGHT_OFFSET=1.0, INPUT_RSTD=False, HIDDEN_PAD=1)
 _NO_PREP |= dict(FP8_MAX=0.0)
@@ -142,7 +142,7 @@ VARIANTS = [
         "fp16",
         dict(HEAD_DIM=80, HEAD_DIM_PAD=128, GROUP_SIZE=8, BLOCK_M=16, BLOCK_Q=2, TILE_N=64)
         | dict(BLOCK_SIZE=32, SLIDING_WINDOW=4096, NUM_KV_SPLITS=8, KV_FP8=False)
-        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=True)
+        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=True, FP16_OPERANDS=False)
         | _NO_PREP,
     ),
     Variant(  # Qwen3-30B-A3B's decode in the MoE chain: q/k norm, the input norm's 1/rms
@@ -174,7 +174,7 @@ VARIANTS = [
         paged_attention._paged_attention_kernel,
         "bf16",
         dict(_ATTENTION, HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=4, BLOCK_M=64, BLOCK_Q=16)
-        | dict(TILE_N=32, BLOCK_SIZE=16, KV_FP8=True),
+        | dict(TILE_N=32, BLOCK_SIZE=16, KV_FP8=True, FP16_OPERANDS=True),  # bf16 q: fp16 dots
         fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
     ),
     Variant(
@@ -183,7 +183,7 @@ VARIANTS = [
         "bf16",
         dict(HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=8, BLOCK_M=16, BLOCK_Q=2, TILE_N=64)
         | dict(BLOCK_SIZE=16, SLIDING_WINDOW=0, NUM_KV_SPLITS=8, KV_FP8=True)
-        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=False)
+        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=False, FP16_OPERANDS=True)
         | _NO_PREP,
         fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
     ),
