@@ -46,6 +46,8 @@ from vtllm.config import VtllmConfig, async_scheduling_enabled
 from vtllm.process import become_child_process
 from vtllm.protocol import codec
 from vtllm.protocol import messages as m
+from vtllm.worker.compile_watch import CompileWatch
+from vtllm.worker.compile_watch import install as watch_compiles
 from vtllm.worker.decode_graphs import capture_sizes
 from vtllm.worker.distributed import destroy_distributed, init_distributed
 from vtllm.worker.heartbeat import HeartbeatSender
@@ -117,6 +119,8 @@ def _serve(
     heartbeat.phase = "loading the model"
     platform = detect_platform(rank)
     platform.set_device()
+    compiles = CompileWatch()
+    watching_compiles = platform.is_gpu and watch_compiles(compiles)
     at_start = platform.memory_snapshot()  # other processes and our context, nothing else
     if not platform.is_gpu:
         torch.set_num_threads(envs.VT_CPU_THREADS or max(1, (os.cpu_count() or 1) // world_size))
@@ -212,6 +216,9 @@ def _serve(
     heartbeat.phase = "serving"
     socket.send(codec.encode(m.WorkerReady(rank=rank)))
     _log_ready(runner, platform, rank, world_size, init)
+    if watching_compiles:
+        compiles.serving = True
+        logger.info("%s", compiles.startup_summary())
 
     expected = (m.SchedulerOutput, m.CompileGrammar, m.ReleaseGrammars, m.Shutdown)
     async_on = async_scheduling_enabled(config.scheduler.async_scheduling, platform.is_gpu)
