@@ -44,6 +44,9 @@
 #                 256x1024 and 64x4096 and the Qwen3-0.6B shape at 256x1024
 #   attn-sweep    benchmarks/attention_kernel.py: the paged-attention kernel's launch
 #                 configurations on the Llama-3-8B shape (8k prefill vs torch SDPA, decodes)
+#   cold-tput-SHAPE  tput-SHAPE over an empty Triton cache (a fresh TRITON_CACHE_DIR): the
+#                 worker's compile lines ("Triton at start-up", "a step waited") beside the
+#                 first step-log lines of the warm-up and of the timed requests (tp-*)
 #   tput-SHAPE    `vtllm bench throughput` alone (256 prompts [100, 1024]), default flags plus
 #                 $TPUT_FLAGS (e.g. "--kv-cache-dtype fp8")
 #   ab-latency-SHAPE, ab-throughput-SHAPE  `vtllm bench latency|throughput` from this tree
@@ -201,6 +204,14 @@ for phase in "$@"; do
       timeout 60 python3 benchmarks/attention_kernel.py --shapes qwen3-0.6b \
         >> "$OUT/attention.jsonl" 2>> "$OUT/attention.log"
       grep -E '"default": true|sdpa' "$OUT/attention.jsonl" ;;
+    cold-tput-*)
+      shape=${phase#cold-tput-}
+      log="$OUT/cold_tput_$shape.log"
+      TRITON_CACHE_DIR=$(mktemp -d) timeout 200 python3 -m vtllm.cli bench throughput \
+        --model-shape "$shape" $BENCH ${TPUT_FLAGS:-} >> "$OUT/bench.jsonl" 2>> "$log"
+      tail -1 "$OUT/bench.jsonl"
+      { grep -m1 'request=warm-' "$log"; grep -m1 'request=tp-' "$log"
+        grep -E "Triton at start-up|a step waited" "$log"; } | sort | cut -c1-400 | head -60 ;;
     tput-*)
       shape=${phase#tput-}
       timeout 150 python3 -m vtllm.cli bench throughput --model-shape "$shape" $BENCH \
