@@ -287,7 +287,7 @@ def main() -> None:
                         default=["bf16"], help="the caches the decodes are timed over")  # fmt: skip
     parser.add_argument("--no-prefill", action="store_true", help="decodes only")
     parser.add_argument("--fp8-fp16-operands", choices=["off", "on", "both"], default="on",
-                        help="FP8-cache decodes: the fp16 dots, the bf16 ones, or both")  # fmt: skip
+                        help="FP8-cache decodes: fp16 dots, bf16 dots, or both")  # fmt: skip
     args = parser.parse_args()
     detect_platform(0).set_device()
     decodes = [tuple(int(x) for x in workload.split("x")) for workload in args.decode]
