@@ -57,6 +57,8 @@ from vtllm.worker.kernels.paged_attention import (  # noqa: E402
 from vtllm.worker.platform import detect_platform  # noqa: E402
 
 BLOCK_SIZE = 16
+# --decode-prefetch and --fp8-fp16-operands: the settings each choice times
+BOTH_WAYS = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 def _paged(
@@ -87,6 +89,23 @@ def _paged(
     return q, k_cache, v_cache, loc, lens, table
 
 
+def _decode_batch(hf: dict, batch: int, context: int, kv_cache_dtype: str):
+    """``batch`` sequences of ``context`` keys, one query each, over a ``kv_cache_dtype``
+    ("bf16" or "fp8": the platform's e4m3) cache: the ``_paged`` tensors, the keyword
+    scales to pass (unit ones for FP8; none for bf16, the call older trees accept:
+    ``h200_run.sh ab-attn`` runs ``--splits`` inside ``$BASE_TREE``) and the bytes of K
+    and V the cache holds."""
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    fp8 = kv_cache_dtype == "fp8"
+    kv_dtype = detect_platform(0).fp8_dtype if fp8 else torch.bfloat16
+    tensors = _paged([context] * batch, [1] * batch, heads, kv_heads, head_dim, kv_dtype)
+    unit = torch.ones((), dtype=torch.float32, device=tensors[0].device)
+    scales = {"k_scale": unit, "v_scale": unit} if fp8 else {}
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * tensors[1].element_size()
+    return tensors, scales, kv_bytes
+
+
 def _time_ms(fn, repeats: int = 10) -> float:
     """Median milliseconds of ``fn()`` over ``repeats`` timed calls (CUDA events)."""
     fn()
@@ -107,8 +126,6 @@ def _default_tiles(decode: bool, group: int, head_dim: int, cache_bytes: int = 2
     elements on this GPU."""
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     smem = max_shared_memory(torch.device("cuda"))
-    if cache_bytes == 2:  # the call older trees accept (h200_run.sh ab-attn)
-        return choose_tiles(decode, group, head_dim_pad, 2, smem)
     return choose_tiles(decode, group, head_dim_pad, 2, smem, cache_element_size=cache_bytes)
 
 
@@ -176,15 +193,10 @@ def bench_decode(
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     fp8 = kv_cache_dtype == "fp8"
-    kv_dtype = detect_platform(0).fp8_dtype if fp8 else torch.bfloat16
-    q, k_cache, v_cache, loc, lens, table = _paged(
-        [context] * batch, [1] * batch, heads, kv_heads, head_dim, kv_dtype
-    )
-    unit = torch.ones((), dtype=torch.float32, device=q.device)
-    scales = {"k_scale": unit, "v_scale": unit} if fp8 else {}  # bf16: older trees' call
+    tensors, scales, kv_bytes = _decode_batch(hf, batch, context, kv_cache_dtype)
+    q, k_cache, v_cache, loc, lens, table = tensors
     scale = head_dim**-0.5
     cache_bytes = k_cache.element_size()
-    kv_bytes = 2 * batch * context * kv_heads * head_dim * cache_bytes
     common = {"kind": "decode", "model": shape, "batch": batch, "context": context}
     if fp8:
         common["kv_cache_dtype"] = kv_cache_dtype
@@ -226,15 +238,8 @@ def bench_splits(
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     platform = detect_platform(0)
-    fp8 = kv_cache_dtype == "fp8"
-    kv_dtype = platform.fp8_dtype if fp8 else torch.bfloat16
-    q, k_cache, v_cache, loc, lens, table = _paged(
-        [context] * batch, [1] * batch, heads, kv_heads, head_dim, kv_dtype
-    )
-    unit = torch.ones((), dtype=torch.float32, device=q.device)
-    # bf16 passes no scales: the script also runs inside older trees (h200_run.sh ab-attn)
-    scales = {"k_scale": unit, "v_scale": unit} if fp8 else {}
-    kv_bytes = 2 * batch * context * kv_heads * head_dim * k_cache.element_size()
+    tensors, scales, kv_bytes = _decode_batch(hf, batch, context, kv_cache_dtype)
+    q, k_cache, v_cache, loc, lens, table = tensors
     out = torch.empty_like(q)
     picked = choose_num_kv_splits(batch, batch, kv_heads, context)
     for splits, prefetch in itertools.product(counts, prefetch_modes):
@@ -294,14 +299,13 @@ def main() -> None:
     for shape in args.shapes:
         hf = MODEL_SHAPES[shape]
         if args.splits:
-            prefetch = {"off": (False,), "on": (True,), "both": (False, True)}
             for (batch, context), kv in itertools.product(decodes, args.kv_cache_dtypes):
                 bench_splits(shape, hf, batch, context, tuple(args.split_counts),
-                             prefetch[args.decode_prefetch], kv)  # fmt: skip
+                             BOTH_WAYS[args.decode_prefetch], kv)  # fmt: skip
             continue
         if not args.no_prefill:
             bench_prefill(shape, hf, args.prefill_len, args.sweep)
-        fp16 = {"off": (False,), "on": (True,), "both": (False, True)}[args.fp8_fp16_operands]
+        fp16 = BOTH_WAYS[args.fp8_fp16_operands]
         for (batch, context), kv in itertools.product(decodes, args.kv_cache_dtypes):
             bench_decode(shape, hf, batch, context, args.sweep, kv, fp16)
 

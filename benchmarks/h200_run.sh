@@ -40,8 +40,8 @@
 #                 --split-counts 1 8 --kv-cache-dtypes bf16 fp8; GB/s of K/V moved) on the
 #                 Llama-3-8B and Qwen3-0.6B shapes at 256x1024, 64x4096, 1x1024
 #   attn-sweep-fp8  the decode tiles over an e4m3 KV cache (--sweep --no-prefill
-#                 --kv-cache-dtypes fp8 --fp8-fp16-operands both; the bf16 default beside) on the Llama-3-8B shape at
-#                 256x1024 and 64x4096 and the Qwen3-0.6B shape at 256x1024
+#                 --kv-cache-dtypes fp8 --fp8-fp16-operands both; the bf16 default beside)
+#                 on the Llama-3-8B shape at 256x1024 and 64x4096, Qwen3-0.6B's at 256x1024
 #   attn-sweep    benchmarks/attention_kernel.py: the paged-attention kernel's launch
 #                 configurations on the Llama-3-8B shape (8k prefill vs torch SDPA, decodes)
 #   cold-tput-SHAPE  tput-SHAPE over an empty Triton cache (a fresh TRITON_CACHE_DIR): the
@@ -194,8 +194,7 @@ for phase in "$@"; do
           --decode $decodes >> "$OUT/attn_sweep_fp8.jsonl" 2>> "$OUT/attn_sweep_fp8.log"
         timeout 300 python3 benchmarks/attention_kernel.py --sweep --no-prefill --shapes $shape \
           --decode $decodes --kv-cache-dtypes fp8 --fp8-fp16-operands both \
-          >> "$OUT/attn_sweep_fp8.jsonl" \
-          2>> "$OUT/attn_sweep_fp8.log"
+          >> "$OUT/attn_sweep_fp8.jsonl" 2>> "$OUT/attn_sweep_fp8.log"
       done
       grep -v searched "$OUT/attn_sweep_fp8.jsonl" | cut -c1-200; tail -3 "$OUT/attn_sweep_fp8.log" ;;
     attn-sweep)

@@ -22,6 +22,8 @@ uniformly from ``--input-len-range`` / ``--output-len-range`` (inclusive), seed 
 run and ``benchmarks/hf_baseline.py`` see the same requests. Before them, untimed,
 ``--num-warmup-prompts`` from the same ranges (seed 1): on a GPU whose Triton cache is
 cold, the first mixed steps compile kernels (session 38, an H100: 19-32 % off the rate).
+The default 32 do not remove all of it: the first run on a fresh machine stayed 14-16 %
+slower than the next (session 39); compare warm runs.
 """
 
 from __future__ import annotations
@@ -366,8 +368,8 @@ def _run_to_completion(client, requests: list[tuple[str, list[int], int]]) -> tu
 def bench_throughput(client, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     """The timed workload (seed 0), after an untimed warm-up of ``--num-warmup-prompts``
     drawn from the same ranges with seed 1 (other token ids: no prefix-cache hits), so that
-    kernels compiled on first use (Triton's specialisations of a mixed step) are not
-    timed. ``warmup_s`` reports what that pass took; ``--num-warmup-prompts 0`` times a
+    kernels compiled on first use (Triton's specialisations of a mixed step) are mostly
+    not timed (not all: see the module docstring). ``warmup_s`` reports what that pass took; ``--num-warmup-prompts 0`` times a
     cold engine."""
     num_warmup = args.num_warmup_prompts
     if num_warmup is None:

@@ -7,10 +7,9 @@ batch of a shape class start-up did not run) waits for it, and that wait used to
 silent: on an H100 a fresh engine's first 256-prompt batch ran 14-16 % slower than the
 next engine's on the same machine (docs/BENCHMARKS.md, session 39). Now start-up ends with
 one line counting its compiles, and each compile after it is logged (INFO; a cache load,
-DEBUG) with
-the kernel, its launch options and its specialisation (constexpr values, the integer and
-pointer arguments Triton specialised as divisible by 16), so that the start-up warm-up
-can be made to cover it.
+DEBUG) with the kernel, its launch options and its specialisation (constexpr values, the
+integer and pointer arguments Triton specialised as divisible by 16), so that the
+start-up warm-up can be made to cover it.
 
 ``CompileWatch`` is the pure core (counts, lines); ``install`` hooks it into Triton's
 compilation listener (Triton >= 3.4; older ones: nothing is watched, and ``install``
@@ -76,18 +75,21 @@ def describe_specialisation(src: Any, metadata: dict[str, Any]) -> str:
     """``name[num_warps=.., num_stages=..](CONST=value, ..; div16: arg, ..)`` from Triton's
     compile source and metadata (never raises: a best effort, for a log line)."""
     try:
-        fn = src.fn
-        names = list(getattr(fn, "arg_names", []))
-        constants = []
-        for path, value in sorted(getattr(src, "constants", {}).items()):
+        names = list(getattr(src.fn, "arg_names", []))
+
+        def arg_name(path: Any) -> str:  # Triton keys arguments by (index,) paths
             index = path[0] if isinstance(path, tuple) and path else path
-            name = names[index] if isinstance(index, int) and index < len(names) else path
-            constants.append(f"{name}={value}")
-        divisible = []
-        for path, attrs in sorted(getattr(src, "attrs", {}).items()):
-            index = path[0] if isinstance(path, tuple) and path else path
-            if any("divisibility" in str(attr) for attr in attrs) and isinstance(index, int):
-                divisible.append(names[index] if index < len(names) else str(index))
+            return names[index] if isinstance(index, int) and index < len(names) else str(path)
+
+        constants = [
+            f"{arg_name(path)}={value}"
+            for path, value in sorted(getattr(src, "constants", {}).items())
+        ]
+        divisible = [
+            arg_name(path)
+            for path, attrs in sorted(getattr(src, "attrs", {}).items())
+            if any("divisibility" in str(attr) for attr in attrs)
+        ]
         options = f"num_warps={metadata.get('num_warps')}, num_stages={metadata.get('num_stages')}"
         body = ", ".join(constants) + (f"; div16: {', '.join(divisible)}" if divisible else "")
         return f"{metadata.get('name', src.name)}[{options}]({body})"[:1200]
