@@ -23,7 +23,9 @@ store them in that type (cast on write, cast back to the query's dtype on read);
 
 Reads dequantise in the attention kernels (``kernels/paged_attention.py``): ``k_scale``
 is folded into the softmax scale and ``v_scale`` into the output, so the inner loop only
-converts fp8 to the query's dtype (exact: every e4m3 value is a bf16/fp16 value).
+converts fp8 to the dots' dtype, fp16 under bf16 queries (``FP8_FP16_OPERANDS``: one
+instruction a pair) and the query's otherwise (exact: every e4m3 value is a bf16/fp16
+value).
 """
 
 from __future__ import annotations
