@@ -46,7 +46,9 @@
 #                 configurations on the Llama-3-8B shape (8k prefill vs torch SDPA, decodes)
 #   cold-tput-SHAPE  tput-SHAPE over an empty Triton cache (a fresh TRITON_CACHE_DIR): the
 #                 worker's compile lines ("Triton at start-up", "a step waited") beside the
-#                 first step-log lines of the warm-up and of the timed requests (tp-*)
+#                 first step-log lines of the warm-up and of the timed requests (tp-*);
+#                 then again warm over the cache the cold run filled; with $BASE_TREE,
+#                 that tree's cold run first (over an empty cache of its own)
 #   tput-SHAPE    `vtllm bench throughput` alone (256 prompts [100, 1024]), default flags plus
 #                 $TPUT_FLAGS (e.g. "--kv-cache-dtype fp8")
 #   ab-latency-SHAPE, ab-throughput-SHAPE  `vtllm bench latency|throughput` from this tree
@@ -204,13 +206,22 @@ for phase in "$@"; do
         >> "$OUT/attention.jsonl" 2>> "$OUT/attention.log"
       grep -E '"default": true|sdpa' "$OUT/attention.jsonl" ;;
     cold-tput-*)
+      # with $BASE_TREE: that tree first, then this one, each over its own empty cache
       shape=${phase#cold-tput-}
-      log="$OUT/cold_tput_$shape.log"
-      TRITON_CACHE_DIR=$(mktemp -d) timeout 200 python3 -m vtllm.cli bench throughput \
-        --model-shape "$shape" $BENCH ${TPUT_FLAGS:-} >> "$OUT/bench.jsonl" 2>> "$log"
-      tail -1 "$OUT/bench.jsonl"
-      { grep -m1 'request=warm-' "$log"; grep -m1 'request=tp-' "$log"
-        grep -E "Triton at start-up|a step waited" "$log"; } | sort | cut -c1-400 | head -60 ;;
+      trees=new; [ -d "${BASE_TREE:-}" ] && trees="base new"
+      for tree in $trees; do
+        dir=$PWD; [ $tree = base ] && dir=$(cd "$BASE_TREE" && pwd)
+        cache=$(mktemp -d)
+        runs=cold; [ $tree = new ] && runs="cold warm"  # warm: again over the cache cold filled
+        for run in $runs; do
+          log="$OUT/${run}_tput_${shape}_$tree.log"
+          (cd "$dir" && PYTHONPATH=/tmp/site:$dir TRITON_CACHE_DIR=$cache timeout 200 \
+            python3 -m vtllm.cli bench throughput --model-shape "$shape" $BENCH ${TPUT_FLAGS:-} \
+            2>> "$log" | tail -1 | sed "s/^/$run $tree /") | tee -a "$OUT/cold.jsonl"
+          { grep -m1 'request=warm-' "$log"; grep -m1 'request=tp-' "$log"
+            grep -E "Triton at start-up|a step waited" "$log"; } | sort | cut -c1-400 | head -40
+        done
+      done ;;
     tput-*)
       shape=${phase#tput-}
       timeout 150 python3 -m vtllm.cli bench throughput --model-shape "$shape" $BENCH \

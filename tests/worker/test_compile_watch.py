@@ -3,12 +3,16 @@ serving step waits for (compile_watch.py)."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import logging
 from types import SimpleNamespace
 
 import pytest
 
 from vtllm.worker.compile_watch import CompileWatch, describe_specialisation, install
+
+from .kernels.kernel_inventory import kernel_functions
 
 triton = pytest.importorskip("triton")
 tl = triton.language
@@ -120,5 +124,101 @@ def test_gpu_a_kernel_first_met_while_serving_is_logged(caplog):
         assert watch.serving_compiled + watch.serving_loaded == 1
         (line,) = [r.getMessage() for r in caplog.records if "_scaled_copy[" in r.getMessage()]
         assert line.startswith("a step waited ") and "BLOCK=128, FP8=True" in line
+    finally:
+        knobs.compilation.listener = before
+
+
+# Integer arguments that follow the step (how many sequences, tokens, expert pairs): Triton
+# compiles a kernel again for each class of such a value (1, a multiple of 16, other), so
+# unless a kernel opts out (``do_not_specialize``) a serving step compiles whenever one
+# first lands in a class start-up did not run.
+STEP_SIZED = {"num_seqs", "num_tokens", "num_pairs", "max_blocks", "m", "M"}
+SPECIALISED_ON_PURPOSE = {
+    # batches of at most 16 rows, nearly always inside decode graphs captured at start-up
+    # for every size; M == 1 keeps batch 1's code free of the row masks
+    "_gemv_kernel": {"M"},
+    # decode-sized batches; its BLOCK_T constexpr (next power of two of num_tokens) keys a
+    # compile per size class already
+    "_moe_router_route_kernel": {"num_tokens"},
+}
+
+
+def _not_specialised(kernel) -> set[str]:
+    """The names in the kernel's ``@triton.jit(do_not_specialize=[...])`` (from its source:
+    the interpreter's stand-in keeps no such attribute)."""
+    tree = ast.parse(inspect.getsource(kernel.fn).lstrip())
+    (function,) = tree.body
+    names: set[str] = set()
+    for decorator in function.decorator_list:
+        for keyword in getattr(decorator, "keywords", []):
+            if keyword.arg == "do_not_specialize":
+                names |= {ast.literal_eval(element) for element in keyword.value.elts}
+    return names
+
+
+def test_step_sized_kernel_arguments_are_not_specialised():
+    checked = 0
+    for name, kernel in sorted(kernel_functions().items()):
+        params = inspect.signature(kernel.fn).parameters.values()
+        runtime = [p.name for p in params if "constexpr" not in str(p.annotation)]
+        opted_out = _not_specialised(kernel)
+        assert opted_out <= set(runtime), f"{name}: do_not_specialize names no argument"
+        for arg in STEP_SIZED.intersection(runtime):
+            if arg in SPECIALISED_ON_PURPOSE.get(name, ()):
+                continue
+            checked += 1
+            assert arg in opted_out, (
+                f"{name}({arg}) is step-sized: add it to do_not_specialize, or to "
+                "SPECIALISED_ON_PURPOSE with why"
+            )
+    assert checked >= 7  # attention, split reduction, FP8 matmul, fused MoE, MoE align x3
+
+
+@pytest.mark.gpu
+def test_gpu_steps_of_any_size_meet_no_new_attention_specialisation(caplog):
+    """On a GPU: once one mixed and one decode-only step have run, steps of other sequence
+    counts and widest tables (1, a multiple of 16, other) compile and load nothing."""
+    import torch
+
+    from vtllm.worker.attention import build_attention_metadata
+    from vtllm.worker.kernels.paged_attention import paged_attention
+    from vtllm.worker.platform import detect_platform
+
+    if not detect_platform().is_gpu:
+        pytest.skip("needs a CUDA or ROCm GPU")
+    from triton import knobs
+
+    device = torch.device("cuda")
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    shape = (40 * 33, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    v_cache = torch.randn(shape, dtype=torch.bfloat16, device=device)
+
+    def step(query_lens: list[int], seq_lens: list[int]) -> None:
+        tables = [list(range(40 * r, 40 * r + -(-s // block_size))) for r, s in enumerate(seq_lens)]
+        inputs = build_attention_metadata(
+            query_lens, seq_lens, tables, block_size, device, "triton", first_chunk_min_tokens=None
+        ).kernel_inputs
+        q = torch.randn(sum(query_lens), num_heads, head_dim, dtype=torch.bfloat16, device=device)
+        out = paged_attention(q, k_cache, v_cache, inputs.query_start_loc, inputs.seq_lens,
+                              inputs.block_tables, head_dim**-0.5, num_kv_splits=1)  # fmt: skip
+        assert torch.isfinite(out).all()
+
+    step([5, 1, 1], [40, 9, 33])  # a mixed step and a decode-only one: what start-up runs
+    step([1, 1, 1], [40, 9, 33])
+    torch.cuda.synchronize()
+    before = knobs.compilation.listener
+    try:
+        watch = CompileWatch(serving=True)
+        assert install(watch)
+        with caplog.at_level(logging.DEBUG, logger="vtllm.worker.compile_watch"):
+            for num_seqs in (1, 2, 16, 17, 32, 33):
+                widest = 16 * num_seqs  # widest table: num_seqs blocks
+                seq_lens = [widest] + [1 + r for r in range(1, num_seqs)]
+                step([3] + [1] * (num_seqs - 1), seq_lens)
+                step([1] * num_seqs, seq_lens)
+            torch.cuda.synchronize()
+        met = [r.getMessage() for r in caplog.records if "a step waited" in r.getMessage()]
+        assert watch.serving_compiled + watch.serving_loaded == 0, met
     finally:
         knobs.compilation.listener = before

@@ -25,7 +25,7 @@ from vtllm.protocol.messages import (
     SamplingParams,
     SchedulerOutput,
 )
-from vtllm.worker.attention import attention_metadata
+from vtllm.worker.attention import KERNEL_TABLE_WIDTH_MULTIPLE, attention_metadata
 from vtllm.worker.block_table import BlockTable, token_layout
 from vtllm.worker.decode_graphs import DecodeInputs
 from vtllm.worker.input_batch import RequestStates, StepBatch
@@ -151,8 +151,13 @@ def assert_metadata_matches(batch: StepBatch, want: dict) -> None:
     assert inputs.seq_lens.tolist() == want["seq_lens"]
     assert inputs.query_start_loc.tolist() == batch.query_start_loc.tolist()
     assert inputs.max_seq_len == max(want["seq_lens"])
+    # the kernels' tables: a width that is a multiple of 16 (one specialisation of the
+    # row stride, however long the step's sequences), 0-padded past each request's blocks
+    width = inputs.block_tables.shape[1]
+    assert width % KERNEL_TABLE_WIDTH_MULTIPLE == 0 and width >= batch.max_num_blocks
     for r, table in enumerate(want["tables"]):
         assert inputs.block_tables[r, : len(table)].tolist() == table
+        assert not inputs.block_tables[r, batch.max_num_blocks :].any()
     reference = attention_metadata(*args, batch.slot_mapping, BLOCK_SIZE, cpu, "torch")
     starts = batch.query_start_loc.tolist()
     for group in reference.groups:

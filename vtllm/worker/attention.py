@@ -114,13 +114,21 @@ def _additive(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     )
 
 
+# The Triton kernels' block tables are this many blocks wide, or a multiple: the row stride
+# is a kernel argument, and Triton compiles a kernel again for each class of an integer
+# argument's value (1, a multiple of 16, any other), so a width that followed the step's
+# longest sequence would make a fresh engine compile the attention kernel again
+# mid-load, whenever that width first crossed into another class.
+KERNEL_TABLE_WIDTH_MULTIPLE = 16
+
+
 @dataclass
 class KernelInputs:
     """The Triton kernels' view of a step (``kernels/paged_attention.py``)."""
 
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [num_reqs] int32
-    block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int32
+    block_tables: torch.Tensor  # [num_reqs, width] int32, width a multiple of 16, 0-padded
     max_seq_len: int | None  # host-side hint for the split-KV heuristic
     num_kv_splits: int | None = None  # forced split count (graphs fix it at capture)
     # a trailing run of long first chunks for flash attention (first_chunk_attention.py):
@@ -247,9 +255,12 @@ def _kernel_inputs(
     device: torch.device,
 ) -> KernelInputs:
     num_reqs = len(seq_lens)
-    if block_tables.shape[1] == 0:  # the kernels take a table at least one block wide
-        block_tables = np.zeros((num_reqs, 1), dtype=np.int32)
     tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+    width = max(1, -(-tables.shape[1] // KERNEL_TABLE_WIDTH_MULTIPLE)) * KERNEL_TABLE_WIDTH_MULTIPLE
+    if tables.shape[1] != width:  # 0-padded: block 0 is valid, and nothing reads past a row
+        padded = np.zeros((num_reqs, width), dtype=np.int32)
+        padded[:, : tables.shape[1]] = tables
+        tables = padded
     return KernelInputs(
         query_start_loc=torch.from_numpy(query_start_loc).to(device, non_blocking=True),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device, non_blocking=True),

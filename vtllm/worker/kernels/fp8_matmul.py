@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from vtllm.worker.kernels._triton import num_sms, tl, triton
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m"])  # step-sized: compile once
 def _fp8_matmul_kernel(
     out_ptr,  # [m, n], x's dtype
     x_ptr,  # [m, k]

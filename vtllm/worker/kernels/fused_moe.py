@@ -58,7 +58,7 @@ def _dot(a, w, acc, A_FP8: tl.constexpr):
     return tl.dot(a, w, acc, input_precision="ieee")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # step-sized: compile once
 def _fused_moe_gemm_kernel(
     out_ptr,  # [num_pairs, n]
     a_ptr,  # [num_pairs // A_PAIRS_PER_ROW, k]: tokens (first GEMM) or the intermediate

@@ -52,7 +52,7 @@ def choose_num_kv_splits(
     return min(wanted, affordable, MAX_KV_SPLITS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # step-sized: compile once
 def _reduce_splits_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     partial_out_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS, HEAD_DIM_PAD] fp32

@@ -42,7 +42,7 @@ def _one_hot(expert_ptr, start, num_pairs, BLOCK_P: tl.constexpr, BLOCK_E: tl.co
     return offs_p, experts, hot.to(tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # step-sized: compile once
 def _count_kernel(
     expert_ptr,  # [num_pairs] i32
     counts_ptr,  # [BLOCK_E] i32, zeroed
@@ -56,7 +56,7 @@ def _count_kernel(
     tl.atomic_add(counts_ptr + offs_e, chunk_counts, mask=chunk_counts > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])  # step-sized: compile once
 def _layout_kernel(
     counts_ptr,  # [BLOCK_E] i32
     cursor_ptr,  # [BLOCK_E] i32: out, each expert's padded start
@@ -83,7 +83,7 @@ def _layout_kernel(
         tl.store(block_expert_ids_ptr + offs_b, expert, mask=offs_b < max_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # step-sized: compile once
 def _scatter_kernel(
     expert_ptr,  # [num_pairs] i32
     cursor_ptr,  # [BLOCK_E] i32: each expert's next free slot

@@ -324,7 +324,7 @@ def _attend_new_key(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # step-sized: compile once
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]; written when NUM_KV_SPLITS == 1
     partial_out_ptr,  # [num_tokens, num_heads, NUM_KV_SPLITS, HEAD_DIM_PAD] fp32
