@@ -9,7 +9,10 @@ next engine's on the same machine (docs/BENCHMARKS.md, session 39). Now start-up
 one line counting its compiles, and each compile after it is logged (INFO; a cache load,
 DEBUG) with the kernel, its launch options and its specialisation (constexpr values, the
 integer and pointer arguments Triton specialised as divisible by 16), so that the
-start-up warm-up can be made to cover it.
+start-up warm-up can be made to cover it, or the argument kept from specialising. Its
+first GPU run named the culprits of that penalty: the attention kernel, specialised on the
+step's sequence count and block-table stride; both now fixed (session 40: a cold first run
+matches a warm one, and no benchmark engine logs a compile while serving).
 
 ``CompileWatch`` is the pure core (counts, lines); ``install`` hooks it into Triton's
 compilation listener (Triton >= 3.4; older ones: nothing is watched, and ``install``
