@@ -14,7 +14,8 @@
 #   hf-SHAPE      the transformers `generate` baseline on the same shape and prompts (MoE
 #                 shapes: the first 32 of the 256 throughput prompts; HF's experts are slow)
 #   tprofile-SHAPE  profile_decode.py --kernels on SHAPE at batch 256, 768-token prompts
-#                 (a decode step of the throughput rows, ~800 keys a request)
+#                 (a decode step of the throughput rows, ~800 keys a request), plus
+#                 $TPROFILE_FLAGS (e.g. "--kv-cache-dtype fp8")
 #   profile       benchmarks/profile_decode.py: one worker's decode step, batch 1 and 64
 # Mixtures of experts (random weights; two engine start-ups a shape, each run at most 140 s):
 #   bench-qwen3-30b-a3b, bench-gemma4-26b-moe   `vtllm bench all` (batch-1 latency, roofline
@@ -326,7 +327,7 @@ for t in sorted({r['tokens'] for r in rows}):
     tprofile-*)
       shape=${phase#tprofile-}
       timeout 200 python3 benchmarks/profile_decode.py --model-shape "$shape" --batch 256 \
-        --prompt-len 768 --steps 20 --kernels >> "$OUT/tprofile_$shape.txt" 2>&1
+        --prompt-len 768 --steps 20 --kernels ${TPROFILE_FLAGS:-} >> "$OUT/tprofile_$shape.txt" 2>&1
       grep -E '"execute_ms"' "$OUT/tprofile_$shape.txt"
       grep -E -A30 "device_us_per_step" "$OUT/tprofile_$shape.txt" | cut -c1-150 ;;
     kprofile-*)

@@ -38,8 +38,9 @@ from tiny_models import EngineSim  # noqa: E402
 from vtllm import envs  # noqa: E402
 from vtllm.bench import write_shape_dir  # noqa: E402
 from vtllm.protocol.messages import SamplingParams, SchedulerOutput  # noqa: E402
+from vtllm.worker.kv_cache_dtype import resolve_kv_cache_dtype  # noqa: E402
 from vtllm.worker.layers.small_batch import tune_small_batch_linears  # noqa: E402
-from vtllm.worker.model_runner import ModelRunner  # noqa: E402
+from vtllm.worker.model_runner import ModelRunner, attention_backend  # noqa: E402
 from vtllm.worker.platform import detect_platform  # noqa: E402
 
 
@@ -54,12 +55,19 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--kernels", action="store_true", help="a table of device kernels")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="as vtllm's flag (fp8: an e4m3 cache)"
+    )
     args = parser.parse_args()
     platform = detect_platform(0)
     model_dir = write_shape_dir(args.model_shape)
-    runner = ModelRunner.from_model_dir(
-        model_dir, platform.device, torch.bfloat16, seed=0, load_format="dummy"
+    kv_cache_dtype = resolve_kv_cache_dtype(
+        args.kv_cache_dtype, torch.bfloat16, platform, attention_backend(platform.device)
     )
+    runner = ModelRunner.from_model_dir(
+        model_dir, platform.device, torch.bfloat16, seed=0, load_format="dummy",
+        kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
     # every request's prompt plus the warm-up and the three timed passes of decode steps
     blocks_a_request = -(-(args.prompt_len + 20 + 3 * args.steps + 1) // 16)
     num_blocks = max(1024, args.batch * blocks_a_request + 1)

@@ -162,6 +162,29 @@ def test_bench_reports_decode_graphs_only_where_workers_capture_them():
     assert decode_graphs_used(False, True, "torch") is False  # VT_ATTENTION_BACKEND=torch
 
 
+def test_bench_throughput_splits_the_timed_steps_by_kind():
+    from vtllm.bench import step_split
+    from vtllm.engine_core.step_log import StepTimes
+
+    before = StepTimes(decode_steps=10, decode_s=0.1, decode_tokens=40, prefill_steps=2,
+                       prefill_s=0.05, prefill_tokens=900)  # fmt: skip
+    after = StepTimes(decode_steps=110, decode_s=1.3, decode_tokens=25_640, prefill_steps=6,
+                      prefill_s=0.45, prefill_tokens=8_900)  # fmt: skip
+    split = step_split(before.totals(), after.totals())
+    assert split == {
+        "busy_s": 1.6,
+        "decode_steps": 100,
+        "decode_ms_per_step": 12.0,
+        "decode_tokens_per_step": 256.0,
+        "decode_share": 0.75,
+        "prefill_steps": 4,
+        "prefill_ms_per_step": 100.0,
+        "prefill_tokens_per_step": 2000.0,
+        "prefill_share": 0.25,
+    }
+    assert step_split({"steps_total": 1}, {"steps_total": 2}) is None  # an older engine
+
+
 def test_every_serve_flag_is_in_usage():
     doc = (ROOT / "docs" / "USAGE.md").read_text()
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]

@@ -370,9 +370,9 @@ def _run_to_completion(client, requests: list[tuple[str, list[int], int]]) -> tu
 def bench_throughput(client, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     """The timed workload (seed 0), after an untimed warm-up of ``--num-warmup-prompts``
     drawn from the same ranges with seed 1 (other token ids: no prefix-cache hits), so that
-    kernels compiled on first use (Triton's specialisations of a mixed step) are mostly
-    not timed (not all: see the module docstring). ``warmup_s`` reports what that pass took; ``--num-warmup-prompts 0`` times a
-    cold engine."""
+    first-use costs are not timed. ``warmup_s`` reports what that pass took;
+    ``--num-warmup-prompts 0`` times a cold engine. ``step_split`` says
+    how the timed run's engine time divides between decode-only and prompt steps."""
     num_warmup = args.num_warmup_prompts
     if num_warmup is None:
         num_warmup = min(32, args.num_prompts)
@@ -382,9 +382,11 @@ def bench_throughput(client, args: argparse.Namespace, vocab: int) -> dict[str, 
         _run_to_completion(client, throughput_requests(args, vocab, num_warmup, 1, "warm"))
         warmup_s = time.perf_counter() - started
     requests = throughput_requests(args, vocab, args.num_prompts, 0, "tp")
+    stats_before = client.utility("get_stats")
     started = time.perf_counter()
     num_out, first_step = _run_to_completion(client, requests)
     wall = time.perf_counter() - started
+    step_times = step_split(stats_before, client.utility("get_stats"))
     num_in = sum(len(r[1]) for r in requests)
     steps = client.latest_stats.step_id - first_step if client.latest_stats else 0
     return {
@@ -397,8 +399,36 @@ def bench_throughput(client, args: argparse.Namespace, vocab: int) -> dict[str, 
         "engine_steps": steps,
         "warmup_prompts": num_warmup,
         "warmup_s": round(warmup_s, 2),
+        "step_split": step_times,
         "_lengths": [(len(p), o) for _, p, o in requests],  # for the roofline's KV reads
     }
+
+
+def step_split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float] | None:
+    """The timed run's steps by kind, from the engine's ``get_stats`` before and after it
+    (``StepTimes``): decode-only steps against steps with prompt tokens (prefill or
+    mixed), how many, milliseconds each on average, tokens each, and the share of the
+    engine's busy time. None from an engine that does not count them."""
+    keys = ("steps", "seconds", "tokens")
+    try:
+        delta = {
+            (kind, key): after[f"{kind}_{key}_total"] - before[f"{kind}_{key}_total"]
+            for kind in ("decode", "prefill")
+            for key in keys
+        }
+    except (KeyError, TypeError):
+        return None
+    busy = delta["decode", "seconds"] + delta["prefill", "seconds"]
+    split: dict[str, float] = {"busy_s": round(busy, 3)}
+    for kind in ("decode", "prefill"):
+        steps = delta[kind, "steps"]
+        split[f"{kind}_steps"] = steps
+        split[f"{kind}_ms_per_step"] = (
+            round(1e3 * delta[kind, "seconds"] / steps, 3) if steps else 0.0
+        )
+        split[f"{kind}_tokens_per_step"] = round(delta[kind, "tokens"] / steps, 1) if steps else 0.0
+        split[f"{kind}_share"] = round(delta[kind, "seconds"] / busy, 3) if busy else 0.0
+    return split
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

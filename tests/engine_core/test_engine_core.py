@@ -154,6 +154,20 @@ def test_prefix_hit_reuses_blocks_and_gives_identical_output():
     assert stats["prefix_cache_queries_total"] == 36
 
 
+def test_get_stats_splits_steps_into_prompt_and_decode_steps():
+    core, executor = make_core(max_num_batched_tokens=8, long_prefill_token_threshold=0)
+    add(core, "a", prompt_of(18, 3), max_tokens=4)
+    run_to_completion(core)
+    stats = core.utility("get_stats", [])
+    # 18 prompt tokens in chunks of at most 8: three steps with prompt tokens (the last
+    # samples the first output token), then three decode steps of one token each
+    assert (stats["prefill_steps_total"], stats["prefill_tokens_total"]) == (3, 18)
+    assert (stats["decode_steps_total"], stats["decode_tokens_total"]) == (3, 3)
+    assert stats["prefill_seconds_total"] >= 0.0 and stats["decode_seconds_total"] >= 0.0
+    computed = [s for s in executor.steps if sum(s.num_scheduled_tokens.values())]
+    assert stats["prefill_steps_total"] + stats["decode_steps_total"] == len(computed)
+
+
 def test_cache_salt_isolates_prefixes():
     shared = prompt_of(16, 5)
     core, _ = make_core()

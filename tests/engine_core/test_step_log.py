@@ -9,6 +9,7 @@ from vtllm.engine_core.step_log import (
     LoopCounters,
     PrefillProgress,
     StepHeartbeat,
+    StepTimes,
     heartbeat_line,
 )
 
@@ -84,3 +85,28 @@ def test_prefill_progress_map_is_bounded():
     assert len(progress) == 8
     progress.forget("r99")
     assert len(progress) == 7
+
+
+def test_step_times_count_from_when_the_workers_could_start_each_step():
+    times = StepTimes()
+    # sync: each step submitted after the one before was collected; idle time between
+    # (3.0 .. 5.0) counts nowhere
+    times.record(True, 64, submitted_at=1.0, collected_at=1.5)
+    times.record(False, 4, submitted_at=1.6, collected_at=1.7)
+    times.record(False, 4, submitted_at=5.0, collected_at=5.25)
+    # async: step submitted at 5.2, while the one before ran: it starts at 5.25
+    times.record(True, 10, submitted_at=5.2, collected_at=5.5)
+    # a step without tokens (only finished ids) counts nowhere, but it was collected
+    times.record(False, 0, submitted_at=5.5, collected_at=5.6)
+    times.record(False, 3, submitted_at=5.55, collected_at=5.7)
+    assert (times.prefill_steps, times.prefill_tokens) == (2, 74)
+    assert abs(times.prefill_s - (0.5 + 0.25)) < 1e-9
+    assert (times.decode_steps, times.decode_tokens) == (3, 11)
+    assert abs(times.decode_s - (0.1 + 0.25 + 0.1)) < 1e-9
+    totals = times.totals()
+    assert totals["decode_steps_total"] == 3 and totals["prefill_tokens_total"] == 74
+    assert set(totals) == {
+        f"{kind}_{key}_total"
+        for kind in ("decode", "prefill")
+        for key in ("steps", "seconds", "tokens")
+    }

@@ -43,7 +43,12 @@ from vtllm.config import VtllmConfig, async_scheduling_enabled
 from vtllm.engine_core.guards import validate_request
 from vtllm.engine_core.request import Request, RequestStatus
 from vtllm.engine_core.scheduler import ScheduledStep, Scheduler
-from vtllm.engine_core.step_log import HeartbeatSnapshot, LoopCounters, PrefillProgress
+from vtllm.engine_core.step_log import (
+    HeartbeatSnapshot,
+    LoopCounters,
+    PrefillProgress,
+    StepTimes,
+)
 from vtllm.protocol import messages as m
 from vtllm.protocol.limits import Refusal, request_id_problem, resolve_max_tokens
 
@@ -142,8 +147,11 @@ class EngineCore:
         # request id → (seq of its CompileGrammar, monotonic deadline), until answered
         self._awaiting_grammars: dict[str, tuple[int, float]] = {}
         self._grammar_ids: set[str] = set()  # live requests whose grammar the driver holds
-        # steps submitted and not collected yet, oldest first (at most 2 while async)
+        # steps submitted and not collected yet, oldest first (at most 2 while async),
+        # and when each was submitted (monotonic s)
         self._in_flight: deque[ScheduledStep] = deque()
+        self._submitted_at: deque[float] = deque()
+        self.step_times = StepTimes()
         self.async_scheduling = async_scheduling_enabled(
             config.scheduler.async_scheduling, facts.on_gpu
         )
@@ -439,6 +447,7 @@ class EngineCore:
             self.progress.begin(request_id, num_done, num_chunk, request.num_prompt_tokens)
         self.executor.submit(step.message)
         self._in_flight.append(step)
+        self._submitted_at.append(time.monotonic())
         self.counters.steps += 1
         if step.total_num_scheduled_tokens:
             self.counters.model_executions += 1
@@ -446,7 +455,14 @@ class EngineCore:
     def _finish_oldest(self) -> Outputs:
         """Collect the oldest step in flight and apply its result."""
         step = self._in_flight.popleft()
+        submitted_at = self._submitted_at.popleft()
         result = self.executor.collect()
+        self.step_times.record(
+            bool(step.prefill_chunks),
+            step.total_num_scheduled_tokens,
+            submitted_at,
+            time.monotonic(),
+        )
         for request_id, (num_done, num_chunk) in step.prefill_chunks.items():
             request = self.scheduler.requests.get(request_id)
             if request is not None:
@@ -497,6 +513,7 @@ class EngineCore:
                 "prefix_cache_queries_total": self.counters.prefix_queries,
                 "prefix_cache_hits_total": self.counters.prefix_hits,
                 "steps_total": self.counters.steps,
+                **self.step_times.totals(),
             }
         raise ValueError(f"unknown utility method {method!r}; known: reset_prefix_cache, get_stats")
 

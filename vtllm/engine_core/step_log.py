@@ -27,6 +27,56 @@ class LoopCounters:
     prefix_hits: int = 0
 
 
+@dataclass
+class StepTimes:
+    """Where the engine's busy time went, by kind of step: ``decode`` (every request of the
+    step computes one output token) and ``prefill`` (some request computes prompt tokens:
+    a prefill or a mixed prefill+decode step).
+
+    A step's time runs from when the workers could start it (its submission, or the
+    collection of the step before it, whichever is later) to its collection: with async
+    scheduling, steps back to back, that is the workers' time for it plus the collection;
+    time the engine sat idle counts nowhere. Steps without tokens count nowhere either.
+    Cumulative over the process (read deltas: ``vtllm bench throughput`` does)."""
+
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+    prefill_steps: int = 0
+    prefill_s: float = 0.0
+    prefill_tokens: int = 0
+    _last_collected_at: float = float("-inf")
+
+    def record(
+        self, has_prompt_tokens: bool, num_tokens: int, submitted_at: float, collected_at: float
+    ) -> None:
+        """One collected step of ``num_tokens`` (monotonic ``submitted_at`` and
+        ``collected_at`` seconds)."""
+        seconds = max(0.0, collected_at - max(submitted_at, self._last_collected_at))
+        self._last_collected_at = collected_at
+        if num_tokens <= 0:
+            return
+        if has_prompt_tokens:
+            self.prefill_steps += 1
+            self.prefill_s += seconds
+            self.prefill_tokens += num_tokens
+        else:
+            self.decode_steps += 1
+            self.decode_s += seconds
+            self.decode_tokens += num_tokens
+
+    def totals(self) -> dict[str, float]:
+        """``get_stats``' keys: ``{decode,prefill}_{steps,seconds,tokens}_total``."""
+        return {
+            "decode_steps_total": self.decode_steps,
+            "decode_seconds_total": self.decode_s,
+            "decode_tokens_total": self.decode_tokens,
+            "prefill_steps_total": self.prefill_steps,
+            "prefill_seconds_total": self.prefill_s,
+            "prefill_tokens_total": self.prefill_tokens,
+        }
+
+
 @dataclass(frozen=True)
 class HeartbeatSnapshot:
     num_running: int
