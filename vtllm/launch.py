@@ -15,7 +15,8 @@ runtime directory removed on exit, so nothing is orphaned or left stale.
 Stopping (SIGTERM / SIGINT, to this process alone or to the whole process group as
 systemd and Ctrl-C do): the frontend drains its requests (``--shutdown-timeout``) and
 says Goodbye, then this process stops the engine core (which stops its workers) and
-exits 0 once it has exited.
+exits 0 once it has exited. Before the HTTP server is up (the model still loading), a
+stop does the same at once: the start-up is abandoned, not waited for.
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ from vtllm.api_servers import ApiServers, metrics_paths, peers_of
 from vtllm.config import VtllmConfig
 from vtllm.engine_core.core_proc import run_engine_core
 from vtllm.log import configure_logging
-from vtllm.process import set_process_title, stop_resource_tracker
+from vtllm.process import (
+    StopRequested,
+    set_process_title,
+    stop_resource_tracker,
+    stop_signals_raise,
+)
 from vtllm.protocol import transport
 from vtllm.startup import (
     StartupError,
@@ -181,25 +187,33 @@ def serve(
     api_servers = ApiServers()
     metrics_peers = None
     try:
-        client_address = config.engine.engine_address
-        if client_address is None:
-            engine, client_address = start_engine_core(config, model_dir, runtime_dir)
-        if more_sockets:
-            paths = metrics_paths(runtime_dir, len(more_sockets) + 1)
-            metrics_peers = peers_of(0, paths)
-            engine_pid = engine.pid if engine is not None else None
-            api_servers.start(
-                config, model_dir, tokenizer_dir, client_address, engine_pid, more_sockets, paths
-            )
-        code = run_frontend(
-            config,
-            model_dir,
-            client_address,
-            engine_alive=engine.is_alive if engine is not None else None,
-            sock=sock,
-            tokenizer_dir=tokenizer_dir,
-            metrics_peers=metrics_peers,
-        )
+        try:
+            # until the HTTP server takes the signals over (it drains), a stop unwinds to
+            # the cleanup below, which stops the children and waits for them
+            with stop_signals_raise():
+                client_address = config.engine.engine_address
+                if client_address is None:
+                    engine, client_address = start_engine_core(config, model_dir, runtime_dir)
+                if more_sockets:
+                    paths = metrics_paths(runtime_dir, len(more_sockets) + 1)
+                    metrics_peers = peers_of(0, paths)
+                    engine_pid = engine.pid if engine is not None else None
+                    api_servers.start(
+                        config, model_dir, tokenizer_dir, client_address, engine_pid,
+                        more_sockets, paths,
+                    )  # fmt: skip
+                code = run_frontend(
+                    config,
+                    model_dir,
+                    client_address,
+                    engine_alive=engine.is_alive if engine is not None else None,
+                    sock=sock,
+                    tokenizer_dir=tokenizer_dir,
+                    metrics_peers=metrics_peers,
+                )
+        except StopRequested as stop:
+            logger.info("%s before the server was up: stopping the engine core", stop)
+            code = 0
         exitcode = engine.exitcode if engine is not None else None
         if code != 0 and exitcode is not None and exitcode != 0:
             logger.error("engine core exited with code %s", exitcode)

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import signal
 import sys
+from collections.abc import Iterator
 
 from vtllm.log import configure_logging
 
@@ -19,6 +20,33 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         return
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+class StopRequested(KeyboardInterrupt):
+    """SIGTERM or SIGINT during start-up (``stop_signals_raise``). A KeyboardInterrupt, so
+    that asyncio, threads and ``except Exception`` treat it as Ctrl-C is treated: it
+    unwinds to the caller's cleanup and nothing swallows it."""
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """Within: SIGTERM and SIGINT raise ``StopRequested`` in the main thread. For start-up
+    (loading weights, profiling, graph capture: minutes on a large model), where the
+    default action would kill the process before it stopped its children (they would
+    then outlive it, holding the GPU, until their own start-up ended) and a handler that
+    only records the signal would make the stop wait for the whole start-up. The
+    handlers in place before are restored on the way out."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+
+    def raise_stop(signum: int, frame: object) -> None:
+        raise StopRequested(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, raise_stop) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def set_process_title(title: str) -> None:

@@ -89,6 +89,35 @@ def test_sigterm_stops_every_process(smollm2_dir, vt_cache_dir):
         srv.stop()
 
 
+@pytest.mark.parametrize("how", ["sigterm-main", "sigint-group"])
+def test_a_stop_during_start_up_stops_every_process_first(how, smollm2_dir, vt_cache_dir):
+    """A stop while the worker is still starting (systemctl stop, Ctrl-C during a long
+    model load): the main process stops the engine core, which stops the worker, and
+    exits 0 only after both; nothing waits for the start-up to end, nothing outlives it."""
+    srv = ServerProcess("--kv-cache-memory", "64MiB", cache_dir=vt_cache_dir).start()
+    try:
+        deadline = time.monotonic() + 120
+        pids: list[int] = []
+        while time.monotonic() < deadline and srv.process.poll() is None:
+            pids = descendants(srv.process.pid)
+            if any("VTLLM::Worker_TP0" in cmdline(p) for p in pids):
+                break
+            time.sleep(0.02)
+        assert any("VTLLM::EngineCore" in cmdline(p) for p in pids), srv.tail()
+        if how == "sigterm-main":
+            os.kill(srv.process.pid, signal.SIGTERM)  # `kill PID`: the main process only
+        else:
+            os.killpg(srv.process.pid, signal.SIGINT)  # Ctrl-C: the whole process group
+        assert srv.wait_exit(30) == 0, srv.tail()
+        assert not {p: cmdline(p) for p in pids if is_alive(p)}, srv.tail()
+        name = "SIGTERM" if how == "sigterm-main" else "SIGINT"
+        log = srv.log()
+        assert f"{name} before the server was up: stopping the engine core" in log, srv.tail()
+        assert "during start-up: workers stopped, engine core exiting" in log, srv.tail()
+    finally:
+        srv.stop()
+
+
 def test_json_logs(smollm2_dir, vt_cache_dir):
     import json
 

@@ -28,7 +28,12 @@ from vtllm.engine_core.core import ClientId, EngineCore, EngineFacts, Outputs
 from vtllm.engine_core.executor import MultiprocExecutor, WorkerDiedError
 from vtllm.engine_core.guards import KVCacheTooSmallError, check_kv_cache_fits
 from vtllm.engine_core.step_log import StepHeartbeat
-from vtllm.process import become_child_process, stop_resource_tracker
+from vtllm.process import (
+    StopRequested,
+    become_child_process,
+    stop_resource_tracker,
+    stop_signals_raise,
+)
 from vtllm.protocol import codec, transport
 from vtllm.protocol import messages as m
 
@@ -257,11 +262,19 @@ def run_engine_core(
     except (OSError, ValueError, KeyError) as e:
         logger.error("%s", e)
         sys.exit(EXIT_START_FAILED)
+    # a stop signal from here until the loop takes over is recorded (and honoured then);
+    # during start_engine it ends the start-up at once: the workers are stopped (killed
+    # when they do not answer, e.g. while loading weights) and the process exits 0
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        executor, facts = start_engine(config, model_dir, worker_address, dist_init_address)
+        with stop_signals_raise():
+            executor, facts = start_engine(config, model_dir, worker_address, dist_init_address)
+    except StopRequested as e:
+        logger.info("%s during start-up: workers stopped, engine core exiting", e)
+        stop_resource_tracker()
+        sys.exit(0)
     except (KVCacheTooSmallError, WorkerDiedError) as e:
         logger.error("refusing to start: %s", e)
         sys.exit(EXIT_START_FAILED)
