@@ -27,7 +27,7 @@ import multiprocessing
 import signal
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from vtllm import envs
@@ -39,6 +39,7 @@ from vtllm.process import (
     StopRequested,
     set_process_title,
     stop_resource_tracker,
+    stop_signals_handled,
     stop_signals_raise,
 )
 from vtllm.protocol import transport
@@ -136,21 +137,14 @@ def stop_process(process: multiprocessing.process.BaseProcess, timeout_s: float 
         process.join(5)
 
 
-@contextlib.contextmanager
-def _stop_signals_ignored() -> Iterator[None]:
+def _stop_signals_ignored() -> contextlib.AbstractContextManager[None]:
     """While stopping: a further SIGTERM / SIGINT (a second Ctrl-C, systemd's group
     signal arriving late) must not kill this process before its children have exited."""
-    sigs = (signal.SIGINT, signal.SIGTERM)
 
     def already_stopping(signum: int, frame: object) -> None:
         logger.info("%s: already stopping", signal.Signals(signum).name)
 
-    previous = {sig: signal.signal(sig, already_stopping) for sig in sigs}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return stop_signals_handled(already_stopping)
 
 
 def serve(

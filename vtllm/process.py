@@ -6,7 +6,8 @@ import contextlib
 import ctypes
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from vtllm.log import configure_logging
 
@@ -29,24 +30,29 @@ class StopRequested(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def stop_signals_raise() -> Iterator[None]:
+def stop_signals_handled(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """Within: ``handler`` takes SIGINT and SIGTERM (main thread only: where Python runs
+    signal handlers); the handlers in place before are restored on the way out."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, handler) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, before in previous.items():
+            signal.signal(sig, before)
+
+
+def stop_signals_raise() -> contextlib.AbstractContextManager[None]:
     """Within: SIGTERM and SIGINT raise ``StopRequested`` in the main thread. For start-up
     (loading weights, profiling, graph capture: minutes on a large model), where the
     default action would kill the process before it stopped its children (they would
     then outlive it, holding the GPU, until their own start-up ended) and a handler that
-    only records the signal would make the stop wait for the whole start-up. The
-    handlers in place before are restored on the way out."""
-    sigs = (signal.SIGINT, signal.SIGTERM)
+    only records the signal would make the stop wait for the whole start-up."""
 
-    def raise_stop(signum: int, frame: object) -> None:
+    def raise_stop(signum: int, frame: Any) -> None:
         raise StopRequested(signal.Signals(signum).name)
 
-    previous = {sig: signal.signal(sig, raise_stop) for sig in sigs}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return stop_signals_handled(raise_stop)
 
 
 def set_process_title(title: str) -> None:

@@ -23,7 +23,6 @@ import hmac
 import json
 import logging
 import os
-import signal
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -64,6 +63,7 @@ from vtllm.frontend.serving_context import ServingContext, json_response, now_s
 from vtllm.frontend.serving_embedding import POOLING_TYPES, create_embedding
 from vtllm.frontend.serving_tokenize import detokenize, tokenize
 from vtllm.frontend.tokenizer import ModelTokenizer
+from vtllm.process import stop_signals_handled
 from vtllm.protocol import transport
 from vtllm.protocol.async_client import EngineClient, EngineDeadError, HandshakeError
 
@@ -428,13 +428,8 @@ def _signals_recorded() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    sigs = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in sigs}
-    try:
+    with stop_signals_handled(lambda signum, frame: None):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 async def _serve(
