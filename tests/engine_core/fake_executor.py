@@ -19,6 +19,7 @@ dropped token) in the step before may still be scheduled once more: it gets an e
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vtllm.protocol import messages as m
@@ -66,6 +67,9 @@ class FakeExecutor:
     failed: dict[str, int] = field(default_factory=dict)  # request id → step it failed in
     num_placeholder_inputs: int = 0  # positions computed from an unconfirmed token
     last_step_id: int = 0
+    # the "model": (a request's known tokens, vocab size) → its next token; the default
+    # hashes the whole sequence (O(length): schedule simulations pass a cheaper one)
+    sample: Callable[[list[int], int], int] = next_token
 
     def submit(self, step: m.SchedulerOutput) -> None:
         self.results.append(self.execute(step))
@@ -183,7 +187,7 @@ class FakeExecutor:
                     self.failed[request_id] = step.step_id
                     continue
                 forced = self.forced_tokens.get(request_id)
-                token = forced.pop(0) if forced else next_token(state.token_ids, self.vocab_size)
+                token = forced.pop(0) if forced else self.sample(state.token_ids, self.vocab_size)
                 state.pending, state.pending_step = token, step.step_id
                 request_ids.append(request_id)
                 sampled.append(token)
