@@ -47,9 +47,13 @@ def stop_signals_raise() -> contextlib.AbstractContextManager[None]:
     (loading weights, profiling, graph capture: minutes on a large model), where the
     default action would kill the process before it stopped its children (they would
     then outlive it, holding the GPU, until their own start-up ended) and a handler that
-    only records the signal would make the stop wait for the whole start-up."""
+    only records the signal would make the stop wait for the whole start-up. Only the
+    first signal raises: the cleanup it starts (stopping workers) must not be cut short
+    by the next one (Ctrl-C's SIGINT to the group, then the parent's SIGTERM)."""
 
     def raise_stop(signum: int, frame: Any) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # until the block ends (then restored)
         raise StopRequested(signal.Signals(signum).name)
 
     return stop_signals_handled(raise_stop)

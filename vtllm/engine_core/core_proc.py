@@ -11,6 +11,7 @@ Threads::
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import queue
 import signal
 import sys
@@ -272,6 +273,11 @@ def run_engine_core(
         with stop_signals_raise():
             executor, facts = start_engine(config, model_dir, worker_address, dist_init_address)
     except StopRequested as e:
+        # a worker whose start the signal cut short is no executor's to stop: it ignores
+        # SIGTERM, so multiprocessing's exit-time join would wait for it for ever
+        for child in multiprocessing.active_children():
+            child.kill()
+            child.join(2)
         logger.info("%s during start-up: workers stopped, engine core exiting", e)
         stop_resource_tracker()
         sys.exit(0)
