@@ -336,7 +336,7 @@ class EngineMachine(RuleBasedStateMachine):
         for request in scheduler.requests.values():
             due = sum(
                 1
-                for step in in_flight
+                for step, _submitted_at in in_flight
                 if step.requests.get(request.request_id) is request
                 and request.request_id in step.due_token_ids
             )

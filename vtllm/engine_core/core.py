@@ -148,9 +148,8 @@ class EngineCore:
         self._awaiting_grammars: dict[str, tuple[int, float]] = {}
         self._grammar_ids: set[str] = set()  # live requests whose grammar the driver holds
         # steps submitted and not collected yet, oldest first (at most 2 while async),
-        # and when each was submitted (monotonic s)
-        self._in_flight: deque[ScheduledStep] = deque()
-        self._submitted_at: deque[float] = deque()
+        # each with when it was submitted (monotonic s)
+        self._in_flight: deque[tuple[ScheduledStep, float]] = deque()
         self.step_times = StepTimes()
         self.async_scheduling = async_scheduling_enabled(
             config.scheduler.async_scheduling, facts.on_gpu
@@ -446,16 +445,14 @@ class EngineCore:
             request = self.scheduler.requests[request_id]
             self.progress.begin(request_id, num_done, num_chunk, request.num_prompt_tokens)
         self.executor.submit(step.message)
-        self._in_flight.append(step)
-        self._submitted_at.append(time.monotonic())
+        self._in_flight.append((step, time.monotonic()))
         self.counters.steps += 1
         if step.total_num_scheduled_tokens:
             self.counters.model_executions += 1
 
     def _finish_oldest(self) -> Outputs:
         """Collect the oldest step in flight and apply its result."""
-        step = self._in_flight.popleft()
-        submitted_at = self._submitted_at.popleft()
+        step, submitted_at = self._in_flight.popleft()
         result = self.executor.collect()
         self.step_times.record(
             bool(step.prefill_chunks),

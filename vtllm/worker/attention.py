@@ -255,12 +255,13 @@ def _kernel_inputs(
     device: torch.device,
 ) -> KernelInputs:
     num_reqs = len(seq_lens)
-    tables = np.ascontiguousarray(block_tables, dtype=np.int32)
-    width = max(1, -(-tables.shape[1] // KERNEL_TABLE_WIDTH_MULTIPLE)) * KERNEL_TABLE_WIDTH_MULTIPLE
-    if tables.shape[1] != width:  # 0-padded: block 0 is valid, and nothing reads past a row
-        padded = np.zeros((num_reqs, width), dtype=np.int32)
-        padded[:, : tables.shape[1]] = tables
-        tables = padded
+    num_blocks = block_tables.shape[1]
+    width = max(1, -(-num_blocks // KERNEL_TABLE_WIDTH_MULTIPLE)) * KERNEL_TABLE_WIDTH_MULTIPLE
+    if num_blocks == width:
+        tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+    else:  # one copy, 0-padded: block 0 is valid, and nothing reads past a row
+        tables = np.zeros((num_reqs, width), dtype=np.int32)
+        tables[:, :num_blocks] = block_tables
     return KernelInputs(
         query_start_loc=torch.from_numpy(query_start_loc).to(device, non_blocking=True),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device, non_blocking=True),
