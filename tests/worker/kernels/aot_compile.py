@@ -205,28 +205,26 @@ VARIANTS = [
         | _NO_PREP,
         fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
     ),
-    Variant(  # the Llama-3-8B shape's decode over an FP8 cache as served: V keys-adjacent
-        "paged_attention/decode-prep-bf16-fp8kv-keys-adjacent-d128",
-        paged_attention._paged_attention_kernel,
-        "bf16",
-        dict(_ATTENTION, HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=4, BLOCK_M=16, BLOCK_Q=4)
-        | dict(TILE_N=128, BLOCK_SIZE=16, KV_FP8=True, FP16_OPERANDS=True, V_KEY_RUN=16)
-        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=True, PREP=True, HALF=64, FP8_MAX=448.0),
-        num_stages=3,
-        fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
-        aligned=True,
-    ),
-    Variant(  # the same over a head_dim-contiguous V: what the keys-adjacent layout avoids
-        "paged_attention/decode-prep-bf16-fp8kv-head-dim-contiguous-d128",
-        paged_attention._paged_attention_kernel,
-        "bf16",
-        dict(_ATTENTION, HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=4, BLOCK_M=16, BLOCK_Q=4)
-        | dict(TILE_N=128, BLOCK_SIZE=16, KV_FP8=True, FP16_OPERANDS=True, V_KEY_RUN=0)
-        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=True, PREP=True, HALF=64, FP8_MAX=448.0),
-        num_stages=3,
-        fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
-        aligned=True,
-        targets=("h100-sm90",),
+    # the Llama-3-8B shape's decode over an FP8 cache as served (V keys-adjacent), and over
+    # a head_dim-contiguous V, what that layout avoids (CUDA only: the contrast checked)
+    *(
+        Variant(
+            f"paged_attention/decode-prep-bf16-fp8kv-{layout}-d128",
+            paged_attention._paged_attention_kernel,
+            "bf16",
+            dict(_ATTENTION, HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=4, BLOCK_M=16)
+            | dict(BLOCK_Q=4, TILE_N=128, BLOCK_SIZE=16, KV_FP8=True, FP16_OPERANDS=True)
+            | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=True, PREP=True, HALF=64)
+            | dict(FP8_MAX=448.0, V_KEY_RUN=key_run),
+            num_stages=3,
+            fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
+            aligned=True,
+            targets=targets,
+        )
+        for layout, key_run, targets in (
+            ("keys-adjacent", 16, None),
+            ("head-dim-contiguous", 0, ("h100-sm90",)),
+        )
     ),
     Variant(
         "kv_splits_reduce/fp16-d80",
