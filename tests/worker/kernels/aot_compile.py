@@ -215,7 +215,8 @@ VARIANTS = [
             dict(_ATTENTION, HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=4, BLOCK_M=16)
             | dict(BLOCK_Q=4, TILE_N=128, BLOCK_SIZE=16, KV_FP8=True, FP16_OPERANDS=True)
             | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=True, PREP=True, HALF=64)
-            | dict(FP8_MAX=448.0, V_KEY_RUN=key_run),
+            | dict(FP8_MAX=448.0, V_KEY_RUN=key_run)
+            | ({} if key_run else dict(stride_v_dim=1)),  # the JIT specialises a stride of 1
             num_stages=3,
             fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
             aligned=True,
