@@ -24,9 +24,8 @@ its own (``kv_splits.choose_num_kv_splits``):
 imports the ``vtllm`` of the tree it sits in); ``--decode-prefetch both`` times the
 kernel's shorter decode chain of loads (``paged_attention.DECODE_PREFETCH``) beside the
 default. ``--kv-cache-dtypes bf16 fp8`` times each decode over a bf16 and an e4m3 cache
-(``--kv-cache-dtype fp8``: unit scales, the kernel's dequantising loads, V keys-adjacent
-as served; ``fp8-head-dim-v`` adds the same cache with V head_dim-contiguous, the layout
-before session 41) with the GB/s of K and V each moved:
+(``--kv-cache-dtype fp8``: unit scales, the kernel's dequantising loads) with the GB/s of
+K and V each moved:
 
     python3 benchmarks/attention_kernel.py --splits --split-counts 1 8 --kv-cache-dtypes bf16 fp8
 
@@ -92,20 +91,15 @@ def _paged(
 
 def _decode_batch(hf: dict, batch: int, context: int, kv_cache_dtype: str):
     """``batch`` sequences of ``context`` keys, one query each, over a ``kv_cache_dtype``
-    ("bf16"; "fp8": the platform's e4m3, V keys-adjacent as served; "fp8-head-dim-v":
-    the same with V head_dim-contiguous, the layout before) cache: the ``_paged`` tensors, the keyword
+    ("bf16" or "fp8": the platform's e4m3) cache: the ``_paged`` tensors, the keyword
     scales to pass (unit ones for FP8; none for bf16, the call older trees accept:
     ``h200_run.sh ab-attn`` runs ``--splits`` inside ``$BASE_TREE``) and the bytes of K
     and V the cache holds."""
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    fp8 = kv_cache_dtype.startswith("fp8")
+    fp8 = kv_cache_dtype == "fp8"
     kv_dtype = detect_platform(0).fp8_dtype if fp8 else torch.bfloat16
     tensors = _paged([context] * batch, [1] * batch, heads, kv_heads, head_dim, kv_dtype)
-    if kv_cache_dtype == "fp8":  # as allocate_kv_cache lays it out (imported here: older
-        from vtllm.worker.kv_cache_dtype import keys_adjacent  # trees time bf16 only)
-
-        tensors = (*tensors[:2], keys_adjacent(tensors[2]), *tensors[3:])
     unit = torch.ones((), dtype=torch.float32, device=tensors[0].device)
     scales = {"k_scale": unit, "v_scale": unit} if fp8 else {}
     kv_bytes = 2 * batch * context * kv_heads * head_dim * tensors[1].element_size()
@@ -198,7 +192,7 @@ def bench_decode(
     ``fp16_operands`` (``paged_attention``'s ``fp8_fp16_operands``)."""
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    fp8 = kv_cache_dtype.startswith("fp8")
+    fp8 = kv_cache_dtype == "fp8"
     tensors, scales, kv_bytes = _decode_batch(hf, batch, context, kv_cache_dtype)
     q, k_cache, v_cache, loc, lens, table = tensors
     scale = head_dim**-0.5
@@ -294,7 +288,7 @@ def main() -> None:
                         help="with --splits: the split counts timed")  # fmt: skip
     parser.add_argument("--decode-prefetch", choices=["off", "on", "both"], default="off",
                         help="with --splits: paged_attention's decode_prefetch")  # fmt: skip
-    parser.add_argument("--kv-cache-dtypes", nargs="+", choices=["bf16", "fp8", "fp8-head-dim-v"],
+    parser.add_argument("--kv-cache-dtypes", nargs="+", choices=["bf16", "fp8"],
                         default=["bf16"], help="the caches the decodes are timed over")  # fmt: skip
     parser.add_argument("--no-prefill", action="store_true", help="decodes only")
     parser.add_argument("--fp8-fp16-operands", choices=["off", "on", "both"], default="on",

@@ -20,7 +20,6 @@ from vtllm.worker.kv_cache_dtype import (
     kv_scale_buffers,
     quantize_fp8_ref,
     resolve_kv_cache_dtype,
-    v_keys_contiguous,
 )
 from vtllm.worker.loader.hf_config import load_hf_config, model_facts
 from vtllm.worker.loader.safetensors_loader import WeightLoadError
@@ -211,12 +210,6 @@ def test_runner_allocates_the_cache_in_its_kv_dtype(qwen3_dir):
     assert k_cache.element_size() == 1
     config = json.loads((qwen3_dir / "config.json").read_text())
     assert k_cache.shape == (4, 8, config["num_key_value_heads"], config["head_dim"])
-    # V keys-adjacent (a block's keys adjacent per head and dim), K head_dim-contiguous
-    assert v_cache.shape == k_cache.shape and k_cache.is_contiguous()
-    assert v_keys_contiguous(v_cache) and v_cache.stride()[1:] == (1, config["head_dim"] * 8, 8)
-    runner = ModelRunner.from_model_dir(qwen3_dir, torch.device("cpu"), torch.float32, 0)
-    runner.init_kv_cache(num_blocks=4, block_size=8)
-    assert all(c.is_contiguous() for pair in runner.kv_caches for c in pair)
 
 
 def test_worker_logs_the_kv_dtype_and_the_scales_in_use(qwen3_dir, caplog):

@@ -10,8 +10,7 @@ store them in that type (cast on write, cast back to the query's dtype on read);
 * each attention layer has one ``k_scale`` and one ``v_scale`` (float32 scalars), with
   vLLM's and the Hugging Face checkpoints' meaning::
 
-      cache = e4m3(clamp(x / scale, -max, max))      (saturating, round to nearest even;
-                                                      NaN stored as 0)
+      cache = e4m3(clamp(x / scale, -max, max))      (saturating, round to nearest even)
       x     ≈ float(cache) * scale
 
 * scales come from the checkpoint when it has them (``kv_scale_buffers`` lists the names
@@ -97,64 +96,6 @@ def resolve_kv_cache_dtype(
     return platform.fp8_dtype
 
 
-def allocate_kv_cache(
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's zeroed K and V caches, both of shape ``[num_blocks, block_size,
-    num_kv_heads, head_dim]``: K contiguous; V too, except in an FP8 cache, where it is a
-    view of ``[num_blocks, num_kv_heads, head_dim, block_size]`` storage (the module
-    docstring says why; ``v_keys_contiguous`` tells the two apart)."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.zeros(shape, dtype=dtype, device=device)
-    if not is_fp8(dtype):
-        return k_cache, torch.zeros(shape, dtype=dtype, device=device)
-    storage = torch.zeros(
-        (num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device
-    )
-    return k_cache, storage.permute(0, 3, 1, 2)
-
-
-def keys_adjacent(v_cache: torch.Tensor) -> torch.Tensor:
-    """A copy of an FP8 V cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` in
-    ``allocate_kv_cache``'s layout (for tests and benchmarks that build a cache whole)."""
-    num_blocks, block_size, num_kv_heads, head_dim = v_cache.shape
-    storage = torch.empty(
-        (num_blocks, num_kv_heads, head_dim, block_size), dtype=v_cache.dtype, device=v_cache.device
-    )
-    view = storage.permute(0, 3, 1, 2)
-    view.view(torch.uint8).copy_(v_cache.view(torch.uint8))  # fp8 has no copy kernels on CPU
-    return view
-
-
-def v_keys_contiguous(v_cache: torch.Tensor) -> bool:
-    """Whether a V cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` has the FP8
-    layout of ``allocate_kv_cache`` (a block's keys adjacent) rather than head_dim
-    contiguous. ValueError for any other layout, or for that layout outside an FP8 cache:
-    the attention then reads past a sequence's last key, harmless only because every FP8
-    writer saturates (a stale slot holds a finite value, which a zero weight cancels)."""
-    _, block_size, _, head_dim = v_cache.shape
-    if v_cache.stride(3) == 1:  # (block_size 1: both layouts are this one)
-        return False
-    strides = v_cache.stride()
-    if strides[1:] != (1, head_dim * block_size, block_size) or strides[0] % block_size:
-        raise ValueError(
-            f"a V cache of strides {tuple(v_cache.stride())}: it needs head_dim contiguous, "
-            "or (FP8 caches) the [num_blocks, num_kv_heads, head_dim, block_size] storage "
-            "of kv_cache_dtype.allocate_kv_cache"
-        )
-    if not is_fp8(v_cache.dtype):
-        raise ValueError(
-            f"a {v_cache.dtype} V cache in the keys-adjacent layout: only FP8 caches use it "
-            "(allocate_kv_cache)"
-        )
-    return True
-
-
 def kv_bytes_per_token(
     num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype
 ) -> int:
@@ -198,10 +139,9 @@ def checked_kv_scale(loaded: torch.Tensor) -> torch.Tensor:
 def quantize_fp8_ref(
     x: torch.Tensor, scale: torch.Tensor | float, fp8_dtype: torch.dtype
 ) -> torch.Tensor:
-    """``e4m3(clamp(x / scale, ±max))`` in plain torch (the kernels' reference), NaN stored
-    as 0: an FP8 cache holds only finite values (``allocate_kv_cache`` says why)."""
+    """``e4m3(clamp(x / scale, ±max))`` in plain torch (the kernels' reference)."""
     limit = torch.finfo(fp8_dtype).max
-    return (x.float() / scale).clamp(-limit, limit).nan_to_num(0.0).to(fp8_dtype)
+    return (x.float() / scale).clamp(-limit, limit).to(fp8_dtype)
 
 
 def dequantize_fp8_ref(

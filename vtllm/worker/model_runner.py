@@ -39,7 +39,6 @@ from vtllm.worker.decode_graphs import DecodeGraphs, capture_sizes
 from vtllm.worker.distributed import TPGroup
 from vtllm.worker.grammar import GrammarCompilerService, StructuredOutputs
 from vtllm.worker.input_batch import RequestStates, StepBatch
-from vtllm.worker.kv_cache_dtype import allocate_kv_cache
 from vtllm.worker.layers.cpu_quant import QUANTIZATIONS as CPU_QUANTIZATIONS
 from vtllm.worker.layers.cpu_quant import prompt_step, quantize_for_cpu
 from vtllm.worker.layers.fp8 import finish_fp8, prepare_fp8_checkpoint
@@ -192,13 +191,16 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate K and V ``[num_blocks, block_size, kv_heads, head_dim]`` per entry of
-        ``kv_cache_specs()``, in ``kv_cache_dtype`` (an FP8 cache's V in its keys-adjacent
-        layout: ``kv_cache_dtype.allocate_kv_cache``)."""
+        ``kv_cache_specs()``, in ``kv_cache_dtype``."""
         self.kv_caches = [
-            allocate_kv_cache(
-                num_blocks, block_size, num_kv_heads, head_dim, self.kv_cache_dtype, self.device
+            (
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
             )
-            for num_kv_heads, head_dim in self.kv_cache_specs()
+            for shape in (
+                (num_blocks, block_size, num_kv_heads, head_dim)
+                for num_kv_heads, head_dim in self.kv_cache_specs()
+            )
         ]
         self.block_size = block_size
         self.decode_graphs = None  # they point into the old cache

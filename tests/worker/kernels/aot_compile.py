@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 import time
@@ -94,7 +93,7 @@ class Variant:
     targets: tuple[str, ...] | None = None  # None: every target (else e.g. CUDA-only ops)
     # compile as the JIT does for served shapes: every pointer and every integer not opted
     # out of specialisation divisible by 16 (else all are assumed unaligned, which can
-    # split wide loads into single elements)
+    # split wide loads into single elements; benchmarks/sass_loop.py reads these)
     aligned: bool = False
 
     def signature(self, target_name: str) -> dict[str, str]:
@@ -123,13 +122,13 @@ class Variant:
         unaligned = {names[i] if isinstance(i, int) else i for i in opted_out}
         return {
             (i,): [["tt.divisibility", 16]]
-            for i, arg in enumerate(self.kernel.arg_names)
+            for i, arg in enumerate(names)
             if signature[arg] not in ("constexpr", "fp32") and arg not in unaligned
         }
 
 
 _ATTENTION = dict(SLIDING_WINDOW=0, NUM_KV_SPLITS=1, KV_FP8=False, ONE_QUERY_A_SEQ=False)
-_ATTENTION |= dict(DECODE_PREFETCH=False, FP16_OPERANDS=False, V_KEY_RUN=0)
+_ATTENTION |= dict(DECODE_PREFETCH=False, FP16_OPERANDS=False)
 # the attention kernel without its fused q/k prep (PREP)
 _NO_PREP = dict(PREP=False, HALF=1, NORM=0, WEIGHT_OFFSET=1.0, INPUT_RSTD=False, HIDDEN_PAD=1)
 _NO_PREP |= dict(FP8_MAX=0.0)
@@ -160,7 +159,7 @@ VARIANTS = [
         "fp16",
         dict(HEAD_DIM=80, HEAD_DIM_PAD=128, GROUP_SIZE=8, BLOCK_M=16, BLOCK_Q=2, TILE_N=64)
         | dict(BLOCK_SIZE=32, SLIDING_WINDOW=4096, NUM_KV_SPLITS=8, KV_FP8=False)
-        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=True, FP16_OPERANDS=False, V_KEY_RUN=0)
+        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=True, FP16_OPERANDS=False)
         | _NO_PREP,
     ),
     Variant(  # Qwen3-30B-A3B's decode in the MoE chain: q/k norm, the input norm's 1/rms
@@ -201,31 +200,21 @@ VARIANTS = [
         "bf16",
         dict(HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=8, BLOCK_M=16, BLOCK_Q=2, TILE_N=64)
         | dict(BLOCK_SIZE=16, SLIDING_WINDOW=0, NUM_KV_SPLITS=8, KV_FP8=True)
-        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=False, FP16_OPERANDS=True, V_KEY_RUN=0)
+        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=False, FP16_OPERANDS=True)
         | _NO_PREP,
         fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
     ),
-    # the Llama-3-8B shape's decode over an FP8 cache as served (V keys-adjacent), and over
-    # a head_dim-contiguous V, what that layout avoids (CUDA only: the contrast checked)
-    *(
-        Variant(
-            f"paged_attention/decode-prep-bf16-fp8kv-{layout}-d128",
-            paged_attention._paged_attention_kernel,
-            "bf16",
-            dict(_ATTENTION, HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=4, BLOCK_M=16)
-            | dict(BLOCK_Q=4, TILE_N=128, BLOCK_SIZE=16, KV_FP8=True, FP16_OPERANDS=True)
-            | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=True, PREP=True, HALF=64)
-            | dict(FP8_MAX=448.0, V_KEY_RUN=key_run)
-            | ({} if key_run else dict(stride_v_dim=1)),  # the JIT specialises a stride of 1
-            num_stages=3,
-            fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
-            aligned=True,
-            targets=targets,
-        )
-        for layout, key_run, targets in (
-            ("keys-adjacent", 16, None),
-            ("head-dim-contiguous", 0, ("h100-sm90",)),
-        )
+    Variant(  # the Llama-3-8B shape's decode over an FP8 cache as served (sass_loop.py)
+        "paged_attention/decode-prep-bf16-fp8kv-served-d128",
+        paged_attention._paged_attention_kernel,
+        "bf16",
+        dict(_ATTENTION, HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP_SIZE=4, BLOCK_M=16, BLOCK_Q=4)
+        | dict(TILE_N=128, BLOCK_SIZE=16, KV_FP8=True, FP16_OPERANDS=True)
+        | dict(ONE_QUERY_A_SEQ=True, DECODE_PREFETCH=True, PREP=True, HALF=64, FP8_MAX=448.0),
+        num_stages=3,
+        fp8_pointers=("k_cache_ptr", "v_cache_ptr"),
+        aligned=True,
+        targets=("h100-sm90",),
     ),
     Variant(
         "kv_splits_reduce/fp16-d80",
@@ -555,8 +544,6 @@ def _facts(stage: str, module: str | bytes) -> dict[str, Any]:
         facts["matrix_instructions"] = module.count("v_mfma") + module.count("v_wmma")
         facts["fp8_matrix_instructions"] = module.count("_fp8_fp8")  # v_mfma_f32_*_fp8_fp8
     if stage == "ptx":
-        # one byte a load (global or shared memory): an e4m3 tile read element by element
-        facts["byte_loads"] = len(re.findall(r"\bld\.(?:global|shared)[.\w]*\.[bsu]8\b", module))
         facts["matrix_instructions"] = module.count("mma.")
         facts["fp8_matrix_instructions"] = module.count(".e4m3.e4m3")  # wgmma/mma e4m3 x e4m3
     return facts

@@ -109,12 +109,6 @@ def test_every_kernel_compiles_for_target(target_name, reports):
             assert assembly["matrix_instructions"] > 0, r["variant"]
         if "w8a8" in r["variant"]:  # fp8 x fp8 on the matrix units, not upcast first
             assert assembly["fp8_matrix_instructions"] > 0, r["variant"]
-        if target.backend == "cuda" and "fp8kv-keys-adjacent" in r["variant"]:
-            # an FP8 cache's V read in 16-byte runs, not gathered a byte at a time for the
-            # dots (kv_cache_dtype.allocate_kv_cache says why)
-            assert assembly["byte_loads"] == 0, r["variant"]
-        if target.backend == "cuda" and "fp8kv-head-dim-contiguous" in r["variant"]:
-            assert assembly["byte_loads"] > 0, "sm_90 reads such V tiles whole now: recheck"
         for binary in ("hsaco", "cubin"):
             if binary in stages:
                 assert stages[binary]["elf"] and stages[binary]["bytes"] > 0

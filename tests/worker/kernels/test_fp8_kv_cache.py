@@ -13,13 +13,7 @@ import torch
 
 from vtllm.worker.kernels.paged_attention import paged_attention, paged_attention_ref
 from vtllm.worker.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
-from vtllm.worker.kv_cache_dtype import (
-    allocate_kv_cache,
-    dequantize_fp8_ref,
-    keys_adjacent,
-    quantize_fp8_ref,
-    v_keys_contiguous,
-)
+from vtllm.worker.kv_cache_dtype import dequantize_fp8_ref, quantize_fp8_ref
 from vtllm.worker.platform import detect_platform
 
 from .marks import assert_close, gpu
@@ -27,7 +21,6 @@ from .paged_batch import PagedBatch, make_paged_batch
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
 ON_GPU = detect_platform().is_gpu
-V_LAYOUTS = ["keys-adjacent", "head-dim-contiguous"]  # the served FP8 layout first
 
 
 def _scalar(value: float, device) -> torch.Tensor:
@@ -38,16 +31,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)  # fp8 tensors have no torch.equal on CPU
 
 
-def _check_write(
-    batch: PagedBatch, fp8: torch.dtype, k_scale: float, v_scale: float, v_layout: str
-) -> None:
+def _check_write(batch: PagedBatch, fp8: torch.dtype, k_scale: float, v_scale: float) -> None:
     device = batch.q.device
     slot_mapping = batch.slot_mapping.clone()
     slot_mapping[::3] = -1  # padding tokens: never written
-    k_cache, v_cache = allocate_kv_cache(*batch.k_cache.shape, fp8, device)
-    if v_layout == "head-dim-contiguous":
-        v_cache = v_cache.contiguous()
-    assert v_keys_contiguous(v_cache) == (v_layout == "keys-adjacent")
+    k_cache = torch.zeros(batch.k_cache.shape, dtype=fp8, device=device)
+    v_cache = torch.zeros_like(k_cache)
     ks, vs = _scalar(k_scale, device), _scalar(v_scale, device)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     reshape_and_cache_ref(batch.k_new, batch.v_new, expected_k, expected_v, slot_mapping, ks, vs)
@@ -61,13 +50,8 @@ def _check_write(
     ):
         if ON_GPU:  # hardware conversion: the same rounding as torch's, bit for bit
             assert torch.equal(_bytes(actual), _bytes(expected))
-        actual, expected = (
-            _bytes(actual).reshape(-1, *per_slot),
-            _bytes(expected).reshape(-1, *per_slot),
-        )
-        actual, expected = actual.view(fp8), expected.view(fp8)  # [num_slots, heads, dim]
-        written = actual[slots]  # [num_kept, num_kv_heads, head_dim]
-        oracle = expected[slots]
+        written = actual.view(-1, *per_slot)[slots]  # [num_kept, num_kv_heads, head_dim]
+        oracle = expected.view(-1, *per_slot)[slots]
         scaled = new[kept].float() / scale  # what the cache should approximate
         # the oracle itself: x / scale to e4m3 precision
         torch.testing.assert_close(oracle.float(), scaled, rtol=2**-4, atol=2**-9)
@@ -80,17 +64,16 @@ def _check_write(
             written.float()[~carried], oracle.float()[~carried], atol=2**-9, rtol=0
         )
         # nothing written anywhere else
-        untouched = torch.ones(actual.shape[0], dtype=torch.bool)
+        untouched = torch.ones(actual.view(-1, *per_slot).shape[0], dtype=torch.bool)
         untouched[slots.cpu()] = False
-        assert not _bytes(actual[untouched.to(device)]).any()
+        assert not _bytes(actual.view(-1, *per_slot)[untouched.to(device)]).any()
 
 
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize(("k_scale", "v_scale"), [(1.0, 1.0), (0.25, 0.0371)])
-@pytest.mark.parametrize("v_layout", V_LAYOUTS)
-def test_write_quantises_with_the_layer_scale(fp8, k_scale, v_scale, v_layout, device, generator):
+def test_write_quantises_with_the_layer_scale(fp8, k_scale, v_scale, device, generator):
     batch = make_paged_batch([5, 1, 3], [0, 17, 30], 4, 2, 40, 8, torch.float32, device, generator)
-    _check_write(batch, fp8, k_scale, v_scale, v_layout)
+    _check_write(batch, fp8, k_scale, v_scale)
 
 
 @pytest.mark.parametrize("fp8", FP8)
@@ -106,30 +89,6 @@ def test_write_saturates_outliers(fp8, device):
     assert (v_cache.view(-1, 4)[5].float().cpu() == -stored).all()
 
 
-@pytest.mark.parametrize("write", [reshape_and_cache, reshape_and_cache_ref])
-def test_nan_is_stored_as_zero(write, device):
-    """An FP8 cache holds only finite values: the attention reads the unused slots of a
-    sequence's last block (with zero weight), which a NaN would turn into NaN."""
-    k = torch.tensor([[[float("nan"), 2.0, float("-inf"), 1.0]]], device=device)  # [1, 1, 4]
-    k_cache, v_cache = allocate_kv_cache(2, 4, 1, 4, torch.float8_e4m3fn, device)
-    one = _scalar(1.0, device)
-    write(k, k, k_cache, v_cache, torch.tensor([6], device=device), one, one)
-    for cache in (k_cache, v_cache):
-        assert cache[1, 2, 0].float().cpu().tolist() == [0.0, 2.0, -448.0, 1.0]
-
-
-def test_a_v_cache_in_another_layout_is_refused(device):
-    k = torch.zeros(1, 1, 16, device=device)
-    k_cache = torch.zeros(2, 4, 1, 16, dtype=torch.float8_e4m3fn, device=device)
-    one, slots = _scalar(1.0, device), torch.zeros(1, dtype=torch.int64, device=device)
-    scrambled = torch.zeros(2, 16, 1, 4, dtype=k_cache.dtype, device=device).transpose(1, 3)
-    with pytest.raises(ValueError, match="needs head_dim contiguous"):
-        reshape_and_cache(k, k, k_cache, scrambled, slots, one, one)
-    bf16 = keys_adjacent(k_cache).view(torch.uint8).view(torch.int8)  # any 1-byte type
-    with pytest.raises(ValueError, match="only FP8 caches"):
-        v_keys_contiguous(bf16)
-
-
 def test_an_fp8_cache_needs_its_scales(device):
     k = torch.zeros(1, 1, 16, device=device)
     cache = torch.zeros(2, 4, 1, 16, dtype=torch.float8_e4m3fn, device=device)
@@ -141,29 +100,12 @@ def test_an_fp8_cache_needs_its_scales(device):
         paged_attention(k, cache, cache, torch.tensor([0, 1], device=device), one[0], one, 1.0)
 
 
-def _quantised(batch: PagedBatch, fp8: torch.dtype, k_scale: float, v_scale: float, v_layout: str):
-    """The batch's caches in e4m3 and their fp32 dequantisation, the oracle's input.
-
-    The slots no sequence owns hold NaN in K and in a head_dim-contiguous V, so that a
-    kernel reading one key too many fails loudly. A keys-adjacent V (the served layout)
-    is read in whole runs of a block's keys, the unused ones with zero weight; there
-    they hold e4m3's largest value (finite, as every FP8 writer leaves them), which any
-    weight at all would show."""
-    k8 = _filled(quantize_fp8_ref(batch.k_cache, k_scale, fp8), batch.k_cache.isnan(), "nan")
-    fill = "max" if v_layout == "keys-adjacent" else "nan"
-    v8 = _filled(quantize_fp8_ref(batch.v_cache, v_scale, fp8), batch.v_cache.isnan(), fill)
-    k_deq, v_deq = dequantize_fp8_ref(k8, k_scale), dequantize_fp8_ref(v8, v_scale)
-    return k8, keys_adjacent(v8) if v_layout == "keys-adjacent" else v8, k_deq, v_deq
-
-
-def _filled(cache8: torch.Tensor, where: torch.Tensor, fill: str) -> torch.Tensor:
-    """``cache8`` with e4m3 NaN or its largest value at ``where`` (quantising stores NaN
-    as 0)."""
-    value = float("nan") if fill == "nan" else torch.finfo(cache8.dtype).max
-    code = torch.tensor(value).to(cache8.dtype).view(torch.uint8).to(cache8.device)
-    filled = cache8.clone()
-    filled.view(torch.uint8)[where] = code
-    return filled
+def _quantised(batch: PagedBatch, fp8: torch.dtype, k_scale: float, v_scale: float):
+    """The batch's caches in e4m3 (NaN slots stay NaN: a kernel reading one key too many
+    still fails loudly) and their fp32 dequantisation, the oracle's input."""
+    k8 = quantize_fp8_ref(batch.k_cache, k_scale, fp8)
+    v8 = quantize_fp8_ref(batch.v_cache, v_scale, fp8)
+    return k8, v8, dequantize_fp8_ref(k8, k_scale), dequantize_fp8_ref(v8, v_scale)
 
 
 def _attend(batch: PagedBatch, k_cache, v_cache, fn, scale, window, **kwargs) -> torch.Tensor:
@@ -185,9 +127,8 @@ def _attend(batch: PagedBatch, k_cache, v_cache, fn, scale, window, **kwargs) ->
     ("dtype", "num_kv_splits", "window"),
     [(torch.float32, 1, None), (torch.float16, 1, 7), (torch.float32, 4, None)],
 )
-@pytest.mark.parametrize("v_layout", V_LAYOUTS)
 def test_attention_reads_fp8_like_the_dequantised_reference(
-    fp8, dtype, num_kv_splits, window, v_layout, device, generator
+    fp8, dtype, num_kv_splits, window, device, generator
 ):
     """Mixed prefill chunks and decodes (split over the keys when ``num_kv_splits`` > 1
     on decode-only rows), k and v with different, non-power-of-two scales."""
@@ -196,7 +137,7 @@ def test_attention_reads_fp8_like_the_dequantised_reference(
     )
     batch = make_paged_batch(q_lens, context_lens, 4, 2, 48, 8, dtype, device, generator)
     k_scale, v_scale = 0.05, 0.3
-    k8, v8, k_deq, v_deq = _quantised(batch, fp8, k_scale, v_scale, v_layout)
+    k8, v8, k_deq, v_deq = _quantised(batch, fp8, k_scale, v_scale)
     expected = _attend(batch, k_deq, v_deq, paged_attention_ref, 0.2, window).float()
     scales = dict(k_scale=_scalar(k_scale, device), v_scale=_scalar(v_scale, device))
     actual = _attend(
@@ -209,36 +150,10 @@ def test_attention_reads_fp8_like_the_dequantised_reference(
     assert_close(ref, expected.to(dtype), "reference with scales")
 
 
-@pytest.mark.parametrize(
-    ("q_lens", "context_lens", "num_kv_splits"),
-    [([5, 1, 9], [0, 13, 20], 1), ([1] * 4, [99, 3, 40, 16], 1), ([1] * 4, [99, 3, 40, 16], 4)],
-)
-def test_both_v_layouts_give_the_same_output(
-    q_lens, context_lens, num_kv_splits, device, generator
-):
-    """The keys-adjacent V changes which bytes a tile loads, not what it computes: one
-    e4m3 cache in both layouts, bf16 queries (fp16 dots), gives the same output for a
-    mixed step, decodes (the prefetching chain) and split decodes; bit for bit in
-    Triton's interpreter."""
-    batch = make_paged_batch(q_lens, context_lens, 8, 2, 64, 16, torch.float32, device, generator)
-    k8, v8, _, _ = _quantised(batch, torch.float8_e4m3fn, 0.05, 0.3, "head-dim-contiguous")
-    v8 = _filled(v8, batch.v_cache.isnan(), "max")  # finite, as the served caches are
-    scales = dict(k_scale=_scalar(0.05, device), v_scale=_scalar(0.3, device))
-    batch.q = batch.q.to(torch.bfloat16)
-    outputs = [
-        _attend(batch, k8, v, paged_attention, 0.2, None, num_kv_splits=num_kv_splits, **scales)
-        for v in (v8, keys_adjacent(v8))
-    ]
-    if ON_GPU:
-        assert_close(outputs[1], outputs[0], "keys-adjacent vs head_dim-contiguous V")
-    else:
-        assert torch.equal(outputs[1], outputs[0])
-
-
 def test_a_wrong_scale_is_visible(device, generator):
     """The oracle catches a kernel that ignores the scales."""
     batch = make_paged_batch([3, 1], [0, 20], 2, 1, 32, 8, torch.float32, device, generator)
-    k8, v8, k_deq, v_deq = _quantised(batch, torch.float8_e4m3fn, 0.5, 0.5, "keys-adjacent")
+    k8, v8, k_deq, v_deq = _quantised(batch, torch.float8_e4m3fn, 0.5, 0.5)
     expected = _attend(batch, k_deq, v_deq, paged_attention_ref, 0.3, None)
     one = _scalar(1.0, device)
     unscaled = _attend(batch, k8, v8, paged_attention, 0.3, None, k_scale=one, v_scale=one)
@@ -250,8 +165,7 @@ def test_a_wrong_scale_is_visible(device, generator):
 
 @gpu
 @pytest.mark.parametrize(("block_size", "head_dim"), [(16, 128), (16, 256), (32, 80)])
-@pytest.mark.parametrize("v_layout", V_LAYOUTS)
-def test_gpu_write_is_bitwise_the_reference(block_size, head_dim, v_layout, device):
+def test_gpu_write_is_bitwise_the_reference(block_size, head_dim, device):
     """The platform's e4m3 (Triton has no fnuz on NVIDIA, no OCP e4m3 on gfx942)."""
     fp8 = detect_platform().fp8_dtype
     generator = torch.Generator().manual_seed(5)
@@ -266,7 +180,7 @@ def test_gpu_write_is_bitwise_the_reference(block_size, head_dim, v_layout, devi
         device,
         generator,
     )
-    _check_write(batch, fp8, 0.0625, 0.11, v_layout)
+    _check_write(batch, fp8, 0.0625, 0.11)
 
 
 @gpu
@@ -275,9 +189,8 @@ def test_gpu_write_is_bitwise_the_reference(block_size, head_dim, v_layout, devi
     [(32, 8, 128, None), (16, 8, 256, 1024), (32, 4, 128, None)],
 )
 @pytest.mark.parametrize("num_kv_splits", [None, 1, 8])
-@pytest.mark.parametrize("v_layout", V_LAYOUTS)
 def test_gpu_attention_matches_the_dequantised_reference(
-    num_heads, num_kv_heads, head_dim, window, num_kv_splits, v_layout, device
+    num_heads, num_kv_heads, head_dim, window, num_kv_splits, device
 ):
     """bf16 queries over the platform's e4m3 cache: a mixed long-context step (prefill
     chunks and decodes), and decode-only batches that the launcher splits over the keys."""
@@ -299,7 +212,7 @@ def test_gpu_attention_matches_the_dequantised_reference(
         generator,
         num_spare_blocks=64,
     )
-    k8, v8, k_deq, v_deq = _quantised(batch, fp8, 0.02, 0.5, v_layout)
+    k8, v8, k_deq, v_deq = _quantised(batch, fp8, 0.02, 0.5)
     scale = head_dim**-0.5
     expected = _attend(batch, k_deq, v_deq, paged_attention_ref, scale, window)
     actual = _attend(

@@ -16,7 +16,6 @@ from vtllm.worker.kernels.paged_attention import (
 )
 from vtllm.worker.kernels.qkv_prep import qkv_prep_ref
 from vtllm.worker.kernels.reshape_and_cache import reshape_and_cache
-from vtllm.worker.kv_cache_dtype import keys_adjacent
 from vtllm.worker.layers.rotary import cos_sin_table
 
 from .marks import assert_close, gpu
@@ -162,7 +161,6 @@ def test_fused_prep_matches_qkv_prep_then_attention(
             k_scale=torch.tensor(0.05, device=device), v_scale=torch.tensor(0.04, device=device)
         )
         caches = [torch.nan_to_num(c).div(0.05).to(cache_dtype) for c in caches]
-        caches[1] = keys_adjacent(caches[1])  # as allocate_kv_cache lays out FP8 V
     ref_caches = [c.clone() for c in caches]
     q = qkv_prep_ref(
         qkv, heads, kv_heads, head_dim, positions, prep.cos_sin_cache, *ref_caches, slots,
@@ -438,7 +436,6 @@ def test_gpu_fused_prep_matches_the_prep_kernel_then_attention(cache_dtype, num_
             k_scale=torch.tensor(0.02, device=device), v_scale=torch.tensor(0.02, device=device)
         )
         caches = [c.float().div(0.02).to(fp8) for c in caches]
-        caches[1] = keys_adjacent(caches[1])  # as allocate_kv_cache lays out FP8 V
     unfused_caches = [c.clone() for c in caches]
     q = qkv_prep(
         qkv, 32, 4, 128, prep.positions, table, *unfused_caches, batch.slot_mapping,
@@ -461,7 +458,6 @@ def _fp8_batch(q_lens, context_lens, heads, kv_heads, head_dim, device, generato
     fp8 = torch.float8_e4m3fn
     caches = [torch.nan_to_num(batch.k_cache).div(0.05), torch.nan_to_num(batch.v_cache).div(0.04)]
     caches = [c.clamp(-448, 448).to(fp8) for c in caches]
-    caches[1] = keys_adjacent(caches[1])  # as allocate_kv_cache lays out FP8 V
     scales = dict(
         k_scale=torch.tensor(0.05, device=device), v_scale=torch.tensor(0.04, device=device)
     )

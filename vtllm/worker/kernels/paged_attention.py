@@ -51,10 +51,6 @@ query's) and folds the scales into two scalars::
 
     softmax(q · (k8 · k_scale) · scale) = softmax(q · k8 · (scale · k_scale))
     Σ p · (v8 · v_scale)                = (Σ p · v8) · v_scale
-
-Their V is keys-adjacent within a block (``kv_cache_dtype.allocate_kv_cache``: ``p @ V``
-reduces over keys, and the dots want that axis in consecutive bytes), so the kernel takes
-V's head_dim stride and reads V in runs of a block's keys (``_attend_tile``).
 """
 
 from __future__ import annotations
@@ -79,8 +75,7 @@ from vtllm.worker.kernels.qkv_prep import (
     rotary_lanes,
     stream_rstd,
 )
-from vtllm.worker.kernels.reshape_and_cache import fp8_cache_value
-from vtllm.worker.kv_cache_dtype import dequantize_fp8_ref, is_fp8, v_keys_contiguous
+from vtllm.worker.kv_cache_dtype import dequantize_fp8_ref, is_fp8
 
 # Decode-only batches with fewer dependent loads a program (no query_start_loc loads, K
 # and V requested together, the next tile's block ids loaded while a tile's keys are in
@@ -141,7 +136,6 @@ def _attend_tile(
     stride_v_block,
     stride_v_slot,
     stride_v_head,
-    stride_v_dim,  # 1, or BLOCK_SIZE with V_KEY_RUN
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
@@ -149,16 +143,10 @@ def _attend_tile(
     SLIDING_WINDOW: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row
     EARLY_V: tl.constexpr,  # request the values with the keys, not after the softmax
-    V_KEY_RUN: tl.constexpr,  # 0, or (an FP8 cache's V) its runs of adjacent keys
 ):
     """One key tile of online softmax: returns the updated (acc, m_i, l_i). With EARLY_V
     the tile's keys and values are both requested before the first is used, so that
-    their memory latencies overlap (a short decode is a chain of such round trips).
-
-    With V_KEY_RUN the values are read in whole runs of that many keys (masking key by
-    key would split them into single bytes): a key past ``kv_end`` in the run of the last
-    one reads a stale slot of the sequence's last block, which in an FP8 cache holds a
-    finite value (its writers store NaN as 0), so that its zero weight cancels it."""
+    their memory latencies overlap (a short decode is a chain of such round trips)."""
     offs_n = tile_start + tl.arange(0, TILE_N)  # [TILE_N] key positions
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
@@ -184,15 +172,8 @@ def _attend_tile(
         + block_id[:, None] * stride_v_block
         + slot_in_block[:, None] * stride_v_slot
         + kv_head_id * stride_v_head
-        + offs_d[None, :] * stride_v_dim
+        + offs_d[None, :]
     )  # [TILE_N, HEAD_DIM_PAD]
-    if V_KEY_RUN > 0:  # e4m3 runs, each starting at a multiple of V_KEY_RUN bytes
-        v_ptrs = tl.max_contiguous(tl.multiple_of(v_ptrs, [V_KEY_RUN, 1]), [V_KEY_RUN, 1])
-        v_mask = d_mask[None, :]
-        if MASKED:  # whole runs: those that start before kv_end (a tile starts a run)
-            run_start = offs_n // V_KEY_RUN * V_KEY_RUN  # [TILE_N]
-            run_valid = tl.max_constancy(run_start < kv_end, [V_KEY_RUN])
-            v_mask = run_valid[:, None] & d_mask[None, :]
     if EARLY_V:
         v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     s = tl.dot(q, k.to(q.dtype), input_precision="ieee") * qk_scale  # [BLOCK_M, TILE_N]
@@ -220,11 +201,9 @@ def _attend_tiles(
     tiles_end,  # tiles start below this position
     kv_end, qk_scale, block_table_row, k_cache_ptr, v_cache_ptr, kv_head_id,
     stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
-    stride_v_dim,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr, MASKED: tl.constexpr,
     PREFETCH: tl.constexpr,  # tile i + 1's block ids before tile i's keys; V with K
-    V_KEY_RUN: tl.constexpr,
 ):  # fmt: skip
     """``_attend_tile`` over the tiles at ``first_tile, first_tile + TILE_N, ...`` below
     ``tiles_end``: returns the updated (acc, m_i, l_i). With PREFETCH the next tile's
@@ -246,9 +225,8 @@ def _attend_tiles(
             acc, m_i, l_i, q, q_pos, row_valid, tile_start, kv_end, qk_scale,
             block_id, k_cache_ptr, v_cache_ptr, kv_head_id,
             stride_k_block, stride_k_slot, stride_k_head,
-            stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
+            stride_v_block, stride_v_slot, stride_v_head,
             HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, MASKED, PREFETCH,
-            V_KEY_RUN,
         )  # fmt: skip
         if PREFETCH:
             block_id = next_block_id
@@ -312,7 +290,7 @@ def _attend_new_key(
     holds,  # whether this program's keys end at the token's own (else it does nothing)
     qk_scale, token, kv_head_id, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
     v_scale_ptr, stride_k_block, stride_k_slot, stride_k_head, stride_v_block,
-    stride_v_slot, stride_v_head, stride_v_dim,
+    stride_v_slot, stride_v_head,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
@@ -322,8 +300,8 @@ def _attend_new_key(
     offs = tl.arange(0, HEAD_DIM_PAD)
     mask = offs < HEAD_DIM
     if KV_FP8:
-        k = fp8_cache_value(k, k_scale_ptr, FP8_MAX)
-        v = fp8_cache_value(v, v_scale_ptr, FP8_MAX)
+        k = tl.clamp(tl.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(tl.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX)
     k = k.to(k_cache_ptr.dtype.element_ty)
     v = v.to(v_cache_ptr.dtype.element_ty)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -332,8 +310,7 @@ def _attend_new_key(
         k_dst = block_id * stride_k_block + (slot % BLOCK_SIZE) * stride_k_slot
         v_dst = block_id * stride_v_block + (slot % BLOCK_SIZE) * stride_v_slot
         tl.store(k_cache_ptr + k_dst + kv_head_id * stride_k_head + offs, k, mask=mask)
-        v_ptrs = v_cache_ptr + v_dst + kv_head_id * stride_v_head + offs * stride_v_dim
-        tl.store(v_ptrs, v, mask=mask)
+        tl.store(v_cache_ptr + v_dst + kv_head_id * stride_v_head + offs, v, mask=mask)
     k = k.to(q.dtype).to(tl.float32)
     s = tl.sum(q.to(tl.float32) * k[None, :], 1) * qk_scale  # [BLOCK_M]
     s = tl.where(row_valid & holds, s, float("-inf"))
@@ -373,7 +350,6 @@ def _paged_attention_kernel(
     stride_v_block,
     stride_v_slot,
     stride_v_head,
-    stride_v_dim,  # 1, or BLOCK_SIZE with V_KEY_RUN
     stride_bt_seq,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -386,9 +362,6 @@ def _paged_attention_kernel(
     NUM_KV_SPLITS: tl.constexpr,
     KV_FP8: tl.constexpr,  # the caches hold e4m3 values of K / k_scale, V / v_scale
     FP16_OPERANDS: tl.constexpr,  # with KV_FP8: the dots in fp16 (FP8_FP16_OPERANDS)
-    # (KV_FP8) V's blocks keys-adjacent (allocate_kv_cache): min(BLOCK_SIZE, TILE_N), the
-    # keys a tile reads contiguously; 0 for a head_dim-contiguous V
-    V_KEY_RUN: tl.constexpr,
     ONE_QUERY_A_SEQ: tl.constexpr,  # every sequence has one query token: block i is seq i
     DECODE_PREFETCH: tl.constexpr,  # with ONE_QUERY_A_SEQ only: fewer dependent loads
     # PREP (with DECODE_PREFETCH only): q_ptr is the qkv projection (q heads, k heads, v
@@ -510,22 +483,20 @@ def _paged_attention_kernel(
         acc, m_i, l_i, q, q_pos, row_valid, kv_start, full_end, kv_end, qk_scale,
         block_table_row, k_cache_ptr, v_cache_ptr, kv_head_id,
         stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
-        stride_v_dim, HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, False, False,
-        V_KEY_RUN,
+        HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, False, False,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, row_valid, full_end, kv_end, kv_end, qk_scale,
         block_table_row, k_cache_ptr, v_cache_ptr, kv_head_id,
         stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
-        stride_v_dim, HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, True,
-        DECODE_PREFETCH, V_KEY_RUN,
+        HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, True, DECODE_PREFETCH,
     )  # fmt: skip
     if PREP:
         acc, m_i, l_i = _attend_new_key(
             acc, m_i, l_i, q, k_new, v_new, row_valid, holds_new_key, qk_scale, seq_id,
             kv_head_id, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
             stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot,
-            stride_v_head, stride_v_dim, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, KV_FP8, FP8_MAX,
+            stride_v_head, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, KV_FP8, FP8_MAX,
         )  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
@@ -754,7 +725,6 @@ def paged_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
-        v_cache.stride(3),
         block_tables.stride(0),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
@@ -769,7 +739,6 @@ def paged_attention(
         FP16_OPERANDS=kv_fp8
         and q.dtype == torch.bfloat16
         and (FP8_FP16_OPERANDS if fp8_fp16_operands is None else fp8_fp16_operands),
-        V_KEY_RUN=min(block_size, tile_n) if v_keys_contiguous(v_cache) else 0,
         ONE_QUERY_A_SEQ=one_query_a_seq,
         DECODE_PREFETCH=one_query_a_seq
         and (DECODE_PREFETCH if decode_prefetch is None else decode_prefetch),
@@ -832,9 +801,8 @@ def _check_inputs(
 ) -> None:
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
-        raise ValueError("q and k_cache need a contiguous last (head_dim) axis")
-    v_keys_contiguous(v_cache)  # ValueError unless head_dim contiguous or FP8 keys-adjacent
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) axis")
     if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
         raise ValueError(
             f"{num_seqs} sequences need query_start_loc [{num_seqs + 1}] and block_tables "

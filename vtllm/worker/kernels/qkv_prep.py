@@ -30,11 +30,7 @@ from __future__ import annotations
 import torch
 
 from vtllm.worker.kernels._triton import tl, triton
-from vtllm.worker.kernels.reshape_and_cache import (
-    _check_scales,
-    fp8_cache_value,
-    reshape_and_cache_ref,
-)
+from vtllm.worker.kernels.reshape_and_cache import _check_scales, reshape_and_cache_ref
 from vtllm.worker.kernels.rms_norm import rms_norm_ref
 from vtllm.worker.kernels.rotary import rotary_embedding_ref
 
@@ -130,7 +126,6 @@ def _qkv_prep_kernel(
     stride_vc_block,
     stride_vc_slot,
     stride_vc_head,
-    stride_vc_dim,  # 1, or block_size (an FP8 cache's keys-adjacent V)
     stride_stream_token,
     num_heads,
     num_kv_heads,
@@ -191,13 +186,12 @@ def _qkv_prep_kernel(
             k_dst += kv_head * stride_kc_head
             v_dst += kv_head * stride_vc_head
             if QUANTIZE:
-                k = fp8_cache_value(out, k_scale_ptr, FP8_MAX)
-                v = fp8_cache_value(v, v_scale_ptr, FP8_MAX)
+                k = tl.clamp(tl.div_rn(out.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX)
+                v = tl.clamp(tl.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX)
             else:
                 k = out
             tl.store(k_cache_ptr + k_dst + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            v_ptrs = v_cache_ptr + v_dst + offs * stride_vc_dim
-            tl.store(v_ptrs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + v_dst + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def norm_kind(q_norm: torch.Tensor | None, gemma_norm: bool) -> int:
@@ -230,8 +224,6 @@ def check_inputs(
             f"cache holds [{', '.join(map(str, k_cache.shape[2:]))}] per slot, the layer "
             f"[{num_kv_heads}, {head_dim}]"
         )
-    if k_cache.stride(-1) != 1:
-        raise ValueError("k_cache needs a contiguous last (head_dim) axis")
     if stream is not None and (
         stream.dim() != 2
         or stream.shape[0] != qkv.shape[0]
@@ -287,8 +279,7 @@ def qkv_prep(
         k_scale if quantize else unread, v_scale if quantize else unread, stream,
         qkv.stride(0), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        stream.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stream.stride(0),
         num_heads, num_kv_heads, eps, hidden, input_eps,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         HALF=cos_sin_cache.shape[1] // 2, NORM=norm, WEIGHT_OFFSET=weight_offset,

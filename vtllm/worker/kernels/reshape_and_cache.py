@@ -6,8 +6,7 @@ Slot ``s`` is block ``s // block_size``, offset ``s % block_size``; a request's 
 
 An FP8 cache (``--kv-cache-dtype fp8``, see ``worker/kv_cache_dtype.py``) stores
 ``e4m3(clamp(x / scale, ±max))`` with the layer's ``k_scale`` / ``v_scale``: saturating,
-so an outlier becomes ±max instead of inf (and NaN becomes 0). Its V cache has each block's keys adjacent
-(``kv_cache_dtype.allocate_kv_cache``): V's head_dim stride is then the block size.
+so an outlier becomes ±max instead of inf/NaN.
 """
 
 from __future__ import annotations
@@ -15,17 +14,7 @@ from __future__ import annotations
 import torch
 
 from vtllm.worker.kernels._triton import tl, triton
-from vtllm.worker.kv_cache_dtype import is_fp8, quantize_fp8_ref, v_keys_contiguous
-
-
-@triton.jit
-def fp8_cache_value(x, scale_ptr, FP8_MAX: tl.constexpr):
-    """``clamp(x / scale, ±FP8_MAX)`` in fp32, ready for the e4m3 cast, with NaN as 0: an
-    FP8 cache holds only finite values, because the attention reads the unused slots of a
-    sequence's last block with zero weight (``kv_cache_dtype.allocate_kv_cache``).
-    div_rn: IEEE division, as torch's reference (plain ``/`` may be approximate)."""
-    x = tl.div_rn(x.to(tl.float32), tl.load(scale_ptr))
-    return tl.clamp(tl.where(x == x, x, 0.0), -FP8_MAX, FP8_MAX)  # (clamp's NaN: unspecified)
+from vtllm.worker.kv_cache_dtype import is_fp8, quantize_fp8_ref
 
 
 @triton.jit
@@ -33,7 +22,7 @@ def _reshape_and_cache_kernel(
     k_ptr,  # [num_tokens, num_kv_heads, head_dim]
     v_ptr,  # [num_tokens, num_kv_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], head_dim strided
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping_ptr,  # [num_tokens]
     k_scale_ptr,  # [] fp32, read when QUANTIZE
     v_scale_ptr,  # [] fp32, read when QUANTIZE
@@ -47,7 +36,6 @@ def _reshape_and_cache_kernel(
     stride_vc_block,
     stride_vc_slot,
     stride_vc_head,
-    stride_vc_dim,  # 1, or block_size (an FP8 cache's keys-adjacent V)
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -68,11 +56,11 @@ def _reshape_and_cache_kernel(
     k_dst = block_id * stride_kc_block + slot_in_block * stride_kc_slot + head_id * stride_kc_head
     v_dst = block_id * stride_vc_block + slot_in_block * stride_vc_slot + head_id * stride_vc_head
     if QUANTIZE:
-        k = fp8_cache_value(k, k_scale_ptr, FP8_MAX)
-        v = fp8_cache_value(v, v_scale_ptr, FP8_MAX)
+        # div_rn: IEEE division, as torch's reference (plain ``/`` may be approximate)
+        k = tl.clamp(tl.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(tl.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX)
     tl.store(k_cache_ptr + k_dst + offs_d, k.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
-    v_ptrs = v_cache_ptr + v_dst + offs_d * stride_vc_dim
-    tl.store(v_ptrs, v.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(v_cache_ptr + v_dst + offs_d, v.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
 
 
 def reshape_and_cache(
@@ -87,9 +75,7 @@ def reshape_and_cache(
     """Store ``k[t]``/``v[t]`` at slot ``slot_mapping[t]`` of the caches, in place.
 
     k and v may be strided views (e.g. slices of a fused qkv output) as long as their
-    last axis is contiguous; so must k_cache's be, and v_cache's too unless it is an FP8
-    cache's keys-adjacent V (``allocate_kv_cache``). Values are cast to the cache dtype.
-    Slots must be distinct.
+    last axis is contiguous; values are cast to the cache dtype. Slots must be distinct.
     An FP8 cache needs ``k_scale`` and ``v_scale`` (device scalars) and stores
     ``e4m3(clamp(x / scale, ±max))``; other caches ignore them.
     """
@@ -106,9 +92,8 @@ def reshape_and_cache(
         )
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} for {num_tokens} tokens")
-    if any(t.stride(-1) != 1 for t in (k, v, k_cache)):
-        raise ValueError("k, v and k_cache need a contiguous last (head_dim) axis")
-    v_keys_contiguous(v_cache)  # ValueError for any other layout
+    if any(t.stride(-1) != 1 for t in (k, v, k_cache, v_cache)):
+        raise ValueError("k, v and the caches need a contiguous last (head_dim) axis")
     quantize = _check_scales(k_cache, k_scale, v_scale)
     if num_tokens == 0:
         return
@@ -130,7 +115,6 @@ def reshape_and_cache(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
-        v_cache.stride(3),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
@@ -164,15 +148,14 @@ def reshape_and_cache_ref(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Plain-torch ``reshape_and_cache`` (same contract)."""
-    block_size = k_cache.shape[1]
+    num_kv_heads, head_dim = k_cache.shape[2:]
     keep = slot_mapping >= 0  # [num_tokens]
     slots = slot_mapping[keep].long()  # [num_kept]
-    blocks, offsets = slots // block_size, slots % block_size  # [num_kept]
     k, v = k[keep], v[keep]  # [num_kept, num_kv_heads, head_dim]
     if _check_scales(k_cache, k_scale, v_scale):
-        # index_put_ has no fp8 kernels: quantise, then copy the bytes
+        # index_copy_ has no fp8 kernels: quantise, then copy the bytes
         k = quantize_fp8_ref(k, k_scale, k_cache.dtype).view(torch.uint8)
         v = quantize_fp8_ref(v, v_scale, v_cache.dtype).view(torch.uint8)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    k_cache[blocks, offsets] = k.to(k_cache.dtype)  # any strides: indexed, not viewed
-    v_cache[blocks, offsets] = v.to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
