@@ -62,7 +62,6 @@ def main() -> None:
         sys.exit("run with TRITON_INTERPRET=0: the interpreter compiles nothing")
     sys.path.insert(0, str(REPO_ROOT))
     import triton
-    from triton.compiler import ASTSource
 
     from tests.worker.kernels import aot_compile
 
@@ -71,13 +70,7 @@ def main() -> None:
     for variant in aot_compile.VARIANTS:
         if not any(variant.name.startswith(v) for v in args.variants):
             continue
-        signature = variant.signature(target_name)
-        source = ASTSource(
-            fn=variant.kernel,
-            signature=signature,
-            constexprs=variant.constexprs,
-            attrs=variant.attrs(signature),
-        )
+        source = variant.source(target_name)
         with tempfile.TemporaryDirectory() as tmp:
             os.environ["TRITON_CACHE_DIR"] = tmp  # every Triton version reads it
             compiled = triton.compile(

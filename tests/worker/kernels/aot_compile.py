@@ -113,6 +113,16 @@ class Variant:
                 signature[arg] = "fp32" if arg in _FLOAT_SCALARS else "i32"
         return signature
 
+    def source(self, target_name: str) -> ASTSource:
+        """What ``triton.compile`` takes for this variant on ``target_name``."""
+        signature = self.signature(target_name)
+        return ASTSource(
+            fn=self.kernel,
+            signature=signature,
+            constexprs=self.constexprs,
+            attrs=self.attrs(signature),
+        )
+
     def attrs(self, signature: dict[str, str]) -> dict[tuple[int, ...], list]:
         """Triton's ``tt.divisibility`` hints for ``aligned`` (else none)."""
         if not self.aligned:
@@ -554,13 +564,7 @@ def compile_variant(variant: Variant, target_name: str) -> Result:
     kernel_name = variant.kernel.fn.__name__
     result = Result(variant.name, kernel_name, target_name, STAGES[target.backend])
     started = time.monotonic()
-    signature = variant.signature(target_name)
-    source = ASTSource(
-        fn=variant.kernel,
-        signature=signature,
-        constexprs=variant.constexprs,
-        attrs=variant.attrs(signature),
-    )
+    source = variant.source(target_name)
     with tempfile.TemporaryDirectory() as cache_dir:
         triton.knobs.cache.dir = cache_dir
         try:
