@@ -44,7 +44,7 @@ from vtllm.worker.first_chunk_attention import (
 from vtllm.worker.kv_cache_dtype import is_fp8
 
 if TYPE_CHECKING:
-    from vtllm.worker.kernels.paged_attention import DecodePrep
+    from vtllm.worker.kernels.decode_prep import DecodePrep
 
 
 @dataclass

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from vtllm.worker import attention as torch_attention
+from vtllm.worker.kernels.decode_prep import DecodePrep
 from vtllm.worker.kernels.kv_splits import choose_num_kv_splits
 from vtllm.worker.kernels.paged_attention import (
     AttentionTiles,
-    DecodePrep,
     choose_tiles,
     paged_attention,
     paged_attention_ref,

@@ -35,6 +35,8 @@ unnormalised partial outputs with their running max and sum, and
 ``kv_splits.py`` merges them (its docstring has the math). It pays off when a few long
 decodes would otherwise leave most of the GPU idle.
 
+The key loop lives in ``attention_loop.py``; the fused prep in ``decode_prep.py``.
+
 Fused prep (``prep=DecodePrep(...)``, decode-only steps with the shorter chain of loads):
 ``q`` is then the qkv projection, and each program does ``kernels/qkv_prep.py``'s work for
 its token and KV head — q/k norm, rotary, the input norm's ``1/rms`` in the MoE decode
@@ -61,19 +63,17 @@ from dataclasses import dataclass
 import torch
 
 from vtllm.worker.kernels._triton import max_shared_memory, tl, triton
+from vtllm.worker.kernels.attention_loop import attend_tiles
+from vtllm.worker.kernels.decode_prep import (
+    DecodePrep,
+    attend_new_key,
+    prep_decode,
+    prep_kernel_args,
+)
 from vtllm.worker.kernels.kv_splits import (
     choose_num_kv_splits,
     reduce_splits,
     split_partials,
-)
-from vtllm.worker.kernels.qkv_prep import (
-    NO_NORM,
-    check_inputs,
-    norm_kind,
-    prep_heads,
-    qkv_prep,
-    rotary_lanes,
-    stream_rstd,
 )
 from vtllm.worker.kv_cache_dtype import dequantize_fp8_ref, is_fp8
 
@@ -94,234 +94,6 @@ DECODE_PREFETCH = True
 # are closer to fp32. H100, session 39 (docs/BENCHMARKS.md): 256 x 1k keys of the
 # Llama-3-8B shape 0.3304 -> 0.2875 ms (2 stages), Qwen3-0.6B's 0.4052 -> 0.2938 ms.
 FP8_FP16_OPERANDS = True
-
-
-@triton.jit
-def _tile_block_ids(
-    block_table_row,
-    tile_start,
-    kv_end,
-    TILE_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """The cache block of each key of the tile at ``tile_start``: ``[TILE_N]`` int64 (0
-    for keys at or past ``kv_end`` when ``MASKED``)."""
-    offs_n = tile_start + tl.arange(0, TILE_N)  # [TILE_N] key positions
-    if MASKED:
-        block_id = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=offs_n < kv_end, other=0)
-    else:
-        block_id = tl.load(block_table_row + offs_n // BLOCK_SIZE)
-    return block_id.to(tl.int64)
-
-
-@triton.jit
-def _attend_tile(
-    acc,  # [BLOCK_M, HEAD_DIM_PAD] fp32, unnormalised output so far
-    m_i,  # [BLOCK_M] fp32 running max (log2 domain)
-    l_i,  # [BLOCK_M] fp32 running sum of exp2(s - m_i)
-    q,  # [BLOCK_M, HEAD_DIM_PAD]
-    q_pos,  # [BLOCK_M] absolute positions
-    row_valid,  # [BLOCK_M]
-    tile_start,
-    kv_end,
-    qk_scale,
-    block_id,  # [TILE_N] int64, the tile's keys' cache blocks (_tile_block_ids)
-    k_cache_ptr,
-    v_cache_ptr,
-    kv_head_id,
-    stride_k_block,
-    stride_k_slot,
-    stride_k_head,
-    stride_v_block,
-    stride_v_slot,
-    stride_v_head,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    TILE_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr,
-    MASKED: tl.constexpr,  # False: every key of the tile is visible to every row
-    EARLY_V: tl.constexpr,  # request the values with the keys, not after the softmax
-):
-    """One key tile of online softmax: returns the updated (acc, m_i, l_i). With EARLY_V
-    the tile's keys and values are both requested before the first is used, so that
-    their memory latencies overlap (a short decode is a chain of such round trips)."""
-    offs_n = tile_start + tl.arange(0, TILE_N)  # [TILE_N] key positions
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = offs_d < HEAD_DIM
-    slot_in_block = offs_n % BLOCK_SIZE
-    if MASKED:
-        n_valid = offs_n < kv_end
-        k_mask = d_mask[:, None] & n_valid[None, :]
-        v_mask = n_valid[:, None] & d_mask[None, :]
-    else:
-        k_mask = d_mask[:, None]
-        v_mask = d_mask[None, :]
-    k = tl.load(
-        k_cache_ptr
-        + block_id[None, :] * stride_k_block
-        + slot_in_block[None, :] * stride_k_slot
-        + kv_head_id * stride_k_head
-        + offs_d[:, None],
-        mask=k_mask,
-        other=0.0,
-    )  # [HEAD_DIM_PAD, TILE_N]
-    v_ptrs = (
-        v_cache_ptr
-        + block_id[:, None] * stride_v_block
-        + slot_in_block[:, None] * stride_v_slot
-        + kv_head_id * stride_v_head
-        + offs_d[None, :]
-    )  # [TILE_N, HEAD_DIM_PAD]
-    if EARLY_V:
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
-    s = tl.dot(q, k.to(q.dtype), input_precision="ieee") * qk_scale  # [BLOCK_M, TILE_N]
-    if MASKED:
-        visible = row_valid[:, None] & n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        if SLIDING_WINDOW > 0:
-            visible = visible & (offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-    # rows that have seen no key yet keep -inf; subtract 0 there to avoid inf - inf
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, TILE_N]
-    alpha = tl.math.exp2(m_i - m_safe)  # [BLOCK_M]
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if not EARLY_V:
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _attend_tiles(
-    acc, m_i, l_i, q, q_pos, row_valid,
-    first_tile,  # key position of the first tile
-    tiles_end,  # tiles start below this position
-    kv_end, qk_scale, block_table_row, k_cache_ptr, v_cache_ptr, kv_head_id,
-    stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr, MASKED: tl.constexpr,
-    PREFETCH: tl.constexpr,  # tile i + 1's block ids before tile i's keys; V with K
-):  # fmt: skip
-    """``_attend_tile`` over the tiles at ``first_tile, first_tile + TILE_N, ...`` below
-    ``tiles_end``: returns the updated (acc, m_i, l_i). With PREFETCH the next tile's
-    block ids are requested while this tile's keys and values (requested together) are
-    in flight: a short decode then waits on memory about once a tile, not three times
-    (ids, keys, values)."""
-    if PREFETCH:  # else each tile loads its own ids, as the loop-local block_id
-        block_id = _tile_block_ids(block_table_row, first_tile, kv_end, TILE_N, BLOCK_SIZE, True)
-    for tile_start in range(first_tile, tiles_end, TILE_N):
-        if PREFETCH:
-            next_block_id = _tile_block_ids(
-                block_table_row, tile_start + TILE_N, kv_end, TILE_N, BLOCK_SIZE, True
-            )
-        else:
-            block_id = _tile_block_ids(
-                block_table_row, tile_start, kv_end, TILE_N, BLOCK_SIZE, MASKED
-            )
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, row_valid, tile_start, kv_end, qk_scale,
-            block_id, k_cache_ptr, v_cache_ptr, kv_head_id,
-            stride_k_block, stride_k_slot, stride_k_head,
-            stride_v_block, stride_v_slot, stride_v_head,
-            HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, MASKED, PREFETCH,
-        )  # fmt: skip
-        if PREFETCH:
-            block_id = next_block_id
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _prep_decode(
-    q,  # [BLOCK_M, HEAD_DIM_PAD]: the group's q heads of the token, from the projection
-    q_rows,  # [BLOCK_M, 1] pointers to those heads
-    row_valid,
-    token,  # the sequence's one token (a decode-only step: token i is sequence i)
-    kv_head_id,
-    qkv_ptr, stride_qkv_token, num_heads, num_kv_heads, positions_ptr, cos_sin_cache_ptr,
-    q_norm_ptr, k_norm_ptr, stream_ptr, stride_cache_pos, stride_stream_token, norm_eps,
-    hidden, input_eps,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HALF: tl.constexpr,
-    NORM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, INPUT_RSTD: tl.constexpr,
-    HIDDEN_PAD: tl.constexpr,
-):  # fmt: skip
-    """``(q, k, v)`` of one decode token as ``qkv_prep`` leaves them: q ``[BLOCK_M,
-    HEAD_DIM_PAD]`` and this KV head's k and v ``[HEAD_DIM_PAD]``, normed and rotated
-    (``qkv_prep.prep_heads``)."""
-    offs = tl.arange(0, HEAD_DIM_PAD)
-    mask = offs < HEAD_DIM
-    partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    cos, sin, rotated = rotary_lanes(cos_sin_cache_ptr + pos * stride_cache_pos, offs, HALF)
-    q_partner = tl.load(
-        q_rows + partner[None, :], mask=row_valid[:, None] & (mask & rotated)[None, :], other=0.0
-    )
-    row = qkv_ptr + token.to(tl.int64) * stride_qkv_token
-    k_row = row + (num_heads + kv_head_id) * HEAD_DIM
-    k = tl.load(k_row + offs, mask=mask, other=0.0)  # [HEAD_DIM_PAD]
-    k_partner = tl.load(k_row + partner, mask=mask & rotated, other=0.0)
-    v = tl.load(
-        row + (num_heads + num_kv_heads + kv_head_id) * HEAD_DIM + offs, mask=mask, other=0.0
-    )
-    input_rstd = 1.0
-    if INPUT_RSTD:
-        input_rstd = stream_rstd(
-            stream_ptr + token.to(tl.int64) * stride_stream_token, hidden, input_eps, HIDDEN_PAD
-        )
-        v = (v.to(tl.float32) * input_rstd).to(v.dtype)
-    q = prep_heads(
-        q, q_partner, input_rstd, q_norm_ptr, norm_eps, cos[None, :], sin[None, :],
-        rotated[None, :], offs[None, :], partner[None, :], mask[None, :],
-        HEAD_DIM, HALF, NORM, WEIGHT_OFFSET, INPUT_RSTD, 1,
-    )  # fmt: skip
-    k = prep_heads(
-        k, k_partner, input_rstd, k_norm_ptr, norm_eps, cos, sin, rotated, offs, partner, mask,
-        HEAD_DIM, HALF, NORM, WEIGHT_OFFSET, INPUT_RSTD, 0,
-    )  # fmt: skip
-    return q, k, v
-
-
-@triton.jit
-def _attend_new_key(
-    acc, m_i, l_i, q, k, v,  # k, v [HEAD_DIM_PAD]: the token's own, from _prep_decode
-    row_valid,  # [BLOCK_M]
-    holds,  # whether this program's keys end at the token's own (else it does nothing)
-    qk_scale, token, kv_head_id, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-    v_scale_ptr, stride_k_block, stride_k_slot, stride_k_head, stride_v_block,
-    stride_v_slot, stride_v_head,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-):  # fmt: skip
-    """The token's k/v stored at its slot (as ``qkv_prep`` stores them; not for slot -1)
-    by the program that holds it, and one more key of online softmax from registers, read
-    as the cache would give it back (rounded to the cache dtype, e4m3 quantised)."""
-    offs = tl.arange(0, HEAD_DIM_PAD)
-    mask = offs < HEAD_DIM
-    if KV_FP8:
-        k = tl.clamp(tl.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX)
-        v = tl.clamp(tl.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX)
-    k = k.to(k_cache_ptr.dtype.element_ty)
-    v = v.to(v_cache_ptr.dtype.element_ty)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if holds & (slot >= 0):
-        block_id = slot // BLOCK_SIZE
-        k_dst = block_id * stride_k_block + (slot % BLOCK_SIZE) * stride_k_slot
-        v_dst = block_id * stride_v_block + (slot % BLOCK_SIZE) * stride_v_slot
-        tl.store(k_cache_ptr + k_dst + kv_head_id * stride_k_head + offs, k, mask=mask)
-        tl.store(v_cache_ptr + v_dst + kv_head_id * stride_v_head + offs, v, mask=mask)
-    k = k.to(q.dtype).to(tl.float32)
-    s = tl.sum(q.to(tl.float32) * k[None, :], 1) * qk_scale  # [BLOCK_M]
-    s = tl.where(row_valid & holds, s, float("-inf"))
-    m_new = tl.maximum(m_i, s)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe)  # [BLOCK_M]
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + p
-    v = v.to(q.dtype).to(tl.float32)
-    acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v[None, :]
-    return acc, m_new, l_i
 
 
 @triton.jit(do_not_specialize=["num_seqs"])  # step-sized: compile once
@@ -436,7 +208,7 @@ def _paged_attention_kernel(
         q_rows + offs_d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0
     )  # [BLOCK_M, HEAD_DIM_PAD]
     if PREP:  # q/k/v of this token from the projection; k and v kept for the last key
-        q, k_new, v_new = _prep_decode(
+        q, k_new, v_new = prep_decode(
             q, q_rows, row_valid, seq_id, kv_head_id, q_ptr, stride_q_token,
             tl.num_programs(1) * GROUP_SIZE, tl.num_programs(1), positions_ptr,
             cos_sin_cache_ptr, q_norm_ptr, k_norm_ptr, stream_ptr, stride_cache_pos,
@@ -444,7 +216,7 @@ def _paged_attention_kernel(
             HEAD_DIM, HEAD_DIM_PAD, HALF, NORM, WEIGHT_OFFSET, INPUT_RSTD, HIDDEN_PAD,
         )  # fmt: skip
 
-    if FP16_OPERANDS:  # k_new/v_new keep q's dtype: _attend_new_key rounds them to e4m3
+    if FP16_OPERANDS:  # k_new/v_new keep q's dtype: attend_new_key rounds them to e4m3
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     # keys this query block can see: [kv_start, kv_end)
     last_local = tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -473,26 +245,26 @@ def _paged_attention_kernel(
     # Key tiles that end at or before the block's first query position are visible to
     # every row: no mask there, only on the tiles after (the diagonal, the ragged end).
     # DECODE_PREFETCH: one query a sequence sees every key before kv_end (in its window),
-    # so one masked loop that prefetches (``_attend_tiles``).
+    # so one masked loop that prefetches (``attend_tiles``).
     full_end = kv_start
     if SLIDING_WINDOW == 0 and not DECODE_PREFETCH:
         first_q_pos = context_len + q_block_local * BLOCK_Q
         visible_to_all = tl.minimum(first_q_pos + 1, kv_end) - kv_start
         full_end = kv_start + tl.maximum(visible_to_all, 0) // TILE_N * TILE_N
-    acc, m_i, l_i = _attend_tiles(
+    acc, m_i, l_i = attend_tiles(
         acc, m_i, l_i, q, q_pos, row_valid, kv_start, full_end, kv_end, qk_scale,
         block_table_row, k_cache_ptr, v_cache_ptr, kv_head_id,
         stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
         HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, False, False,
     )  # fmt: skip
-    acc, m_i, l_i = _attend_tiles(
+    acc, m_i, l_i = attend_tiles(
         acc, m_i, l_i, q, q_pos, row_valid, full_end, kv_end, kv_end, qk_scale,
         block_table_row, k_cache_ptr, v_cache_ptr, kv_head_id,
         stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
         HEAD_DIM, HEAD_DIM_PAD, TILE_N, BLOCK_SIZE, SLIDING_WINDOW, True, DECODE_PREFETCH,
     )  # fmt: skip
     if PREP:
-        acc, m_i, l_i = _attend_new_key(
+        acc, m_i, l_i = attend_new_key(
             acc, m_i, l_i, q, k_new, v_new, row_valid, holds_new_key, qk_scale, seq_id,
             kv_head_id, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
             stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot,
@@ -521,43 +293,6 @@ def _paged_attention_kernel(
         )
         tl.store(partial_max_ptr + partial_id, m_i, mask=row_valid)
         tl.store(partial_sum_ptr + partial_id, l_i, mask=row_valid)
-
-
-@dataclass(frozen=True)
-class DecodePrep:
-    """``qkv_prep``'s inputs besides qkv and the caches, for ``paged_attention`` given the
-    projection instead of q (``prep=``): on decode-only steps the attention kernel does
-    that work itself (module docstring, "Fused prep"); on other steps ``qkv_prep`` runs
-    first. The fields mean what ``qkv_prep``'s arguments of the same names mean."""
-
-    num_heads: int
-    positions: torch.Tensor  # [num_tokens]
-    cos_sin_cache: torch.Tensor  # [max_position, rotary_dim] fp32
-    slot_mapping: torch.Tensor  # [num_tokens], -1 = padding
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    eps: float = 1e-6
-    gemma_norm: bool = False
-    weight_offset: float = 1.0
-    input_stream: torch.Tensor | None = None  # [num_tokens, hidden]
-    input_eps: float = 1e-6
-
-    def run_qkv_prep(self, qkv, num_kv_heads, head_dim, k_cache, v_cache, k_scale, v_scale):
-        """``qkv_prep`` (its own kernel) with these inputs: q ``[tokens, heads, head_dim]``."""
-        return qkv_prep(
-            qkv, self.num_heads, num_kv_heads, head_dim, self.positions, self.cos_sin_cache,
-            k_cache, v_cache, self.slot_mapping, self.q_norm, self.k_norm, self.eps,
-            self.gemma_norm, self.weight_offset, k_scale, v_scale, self.input_stream,
-            self.input_eps,
-        )  # fmt: skip
-
-    def check(self, qkv, num_kv_heads, head_dim, k_cache) -> None:
-        """``qkv_prep``'s checks of these inputs with ``qkv``: ValueError naming what
-        disagrees."""
-        check_inputs(
-            qkv, self.num_heads, num_kv_heads, head_dim, self.positions, self.cos_sin_cache,
-            k_cache, self.slot_mapping, self.input_stream,
-        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -680,7 +415,7 @@ def paged_attention(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    prep_args = _prep_args(prep, q, k_cache)
+    prep_args = prep_kernel_args(prep, q, k_cache)
 
     group_size = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
@@ -749,35 +484,6 @@ def paged_attention(
     if num_kv_splits > 1:
         reduce_splits(out, partials, query_start_loc, num_seqs)
     return out
-
-
-def _prep_args(prep: DecodePrep | None, q: torch.Tensor, k_cache: torch.Tensor) -> dict:
-    """The kernel's PREP arguments: ``prep``'s tensors and constexprs (its inputs already
-    checked), or placeholders (never read) without it."""
-    if prep is None:
-        unread = q
-        return dict(
-            positions_ptr=unread, cos_sin_cache_ptr=unread, slot_mapping_ptr=unread,
-            q_norm_ptr=unread, k_norm_ptr=unread, stream_ptr=unread, stride_cache_pos=0,
-            stride_stream_token=0, norm_eps=1e-6, hidden=1, input_eps=1e-6, PREP=False,
-            HALF=1, NORM=NO_NORM, WEIGHT_OFFSET=1.0, INPUT_RSTD=False, HIDDEN_PAD=1,
-            FP8_MAX=0.0,
-        )  # fmt: skip
-    rotary_dim = prep.cos_sin_cache.shape[1]  # inputs checked (DecodePrep.check)
-    stream = prep.input_stream if prep.input_stream is not None else q
-    norm = norm_kind(prep.q_norm, prep.gemma_norm)
-    return dict(
-        positions_ptr=prep.positions, cos_sin_cache_ptr=prep.cos_sin_cache,
-        slot_mapping_ptr=prep.slot_mapping,
-        q_norm_ptr=prep.q_norm if prep.q_norm is not None else q,
-        k_norm_ptr=prep.k_norm if prep.k_norm is not None else q, stream_ptr=stream,
-        stride_cache_pos=prep.cos_sin_cache.stride(0), stride_stream_token=stream.stride(0),
-        norm_eps=prep.eps, hidden=stream.shape[-1] if prep.input_stream is not None else 1,
-        input_eps=prep.input_eps, PREP=True, HALF=rotary_dim // 2, NORM=norm,
-        WEIGHT_OFFSET=prep.weight_offset, INPUT_RSTD=prep.input_stream is not None,
-        HIDDEN_PAD=triton.next_power_of_2(stream.shape[-1]) if prep.input_stream is not None else 1,
-        FP8_MAX=torch.finfo(k_cache.dtype).max if is_fp8(k_cache.dtype) else 0.0,
-    )  # fmt: skip
 
 
 def _check_scales(

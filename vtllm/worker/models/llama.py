@@ -30,7 +30,7 @@ from vtllm.worker.layers.norm import RMSNorm
 from vtllm.worker.layers.rotary import RotaryEmbedding, rope_parameters
 
 if TYPE_CHECKING:
-    from vtllm.worker.kernels.paged_attention import DecodePrep
+    from vtllm.worker.kernels.decode_prep import DecodePrep
     from vtllm.worker.layers.small_batch import FusedDecodeTiles
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, kv_heads, head_dim]
@@ -271,7 +271,7 @@ class LlamaAttention(nn.Module):
         input_eps: float = 1e-6,
     ) -> DecodePrep:
         """This layer's ``kernels/qkv_prep.py`` inputs besides qkv and the caches."""
-        from vtllm.worker.kernels.paged_attention import DecodePrep
+        from vtllm.worker.kernels.decode_prep import DecodePrep
 
         norm = self.q_norm
         return DecodePrep(
