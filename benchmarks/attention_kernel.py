@@ -89,21 +89,54 @@ def _paged(
     return q, k_cache, v_cache, loc, lens, table
 
 
-def _decode_batch(hf: dict, batch: int, context: int, kv_cache_dtype: str):
-    """``batch`` sequences of ``context`` keys, one query each, over a ``kv_cache_dtype``
-    ("bf16" or "fp8": the platform's e4m3) cache: the ``_paged`` tensors, the keyword
-    scales to pass (unit ones for FP8; none for bf16, the call older trees accept:
-    ``h200_run.sh ab-attn`` runs ``--splits`` inside ``$BASE_TREE``) and the bytes of K
-    and V the cache holds."""
+def decode_contexts(
+    batch: int, context: int | tuple[int, int], longest_first: bool = False
+) -> list[int]:
+    """Each sequence's keys: ``context`` each, or for ``(lo, hi)`` drawn uniformly from
+    ``[lo, hi]`` (seed 0: every tree and cache dtype times the same batch), in that draw's
+    order or ``longest_first`` (sequence i's programs are launched before i + 1's)."""
+    if isinstance(context, int):
+        return [context] * batch
+    generator = torch.Generator().manual_seed(0)
+    drawn = torch.randint(context[0], context[1] + 1, (batch,), generator=generator).tolist()
+    return sorted(drawn, reverse=True) if longest_first else drawn
+
+
+def parse_decode(workload: str) -> tuple[int, int | tuple[int, int]]:
+    """``BATCHxCONTEXT`` or ``BATCHxLO-HI`` (contexts uniform in [LO, HI])."""
+    batch, context = workload.split("x")
+    if "-" in context:
+        lo, hi = (int(x) for x in context.split("-"))
+        return int(batch), (lo, hi)
+    return int(batch), int(context)
+
+
+def _context_label(context: int | tuple[int, int]) -> int | str:
+    return context if isinstance(context, int) else f"{context[0]}-{context[1]}"
+
+
+def _decode_batch(
+    hf: dict,
+    batch: int,
+    context: int | tuple[int, int],
+    kv_cache_dtype: str,
+    longest_first: bool = False,
+):
+    """``batch`` sequences of ``context`` keys (``decode_contexts``), one query each, over
+    a ``kv_cache_dtype`` ("bf16" or "fp8": the platform's e4m3) cache: the ``_paged``
+    tensors, the keyword scales to pass (unit ones for FP8; none for bf16, the call older
+    trees accept: ``h200_run.sh ab-attn`` runs ``--splits`` inside ``$BASE_TREE``), the
+    bytes of K and V the cache holds and the longest sequence's keys."""
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     fp8 = kv_cache_dtype == "fp8"
     kv_dtype = detect_platform(0).fp8_dtype if fp8 else torch.bfloat16
-    tensors = _paged([context] * batch, [1] * batch, heads, kv_heads, head_dim, kv_dtype)
+    contexts = decode_contexts(batch, context, longest_first)
+    tensors = _paged(contexts, [1] * batch, heads, kv_heads, head_dim, kv_dtype)
     unit = torch.ones((), dtype=torch.float32, device=tensors[0].device)
     scales = {"k_scale": unit, "v_scale": unit} if fp8 else {}
-    kv_bytes = 2 * batch * context * kv_heads * head_dim * tensors[1].element_size()
-    return tensors, scales, kv_bytes
+    kv_bytes = 2 * sum(contexts) * kv_heads * head_dim * tensors[1].element_size()
+    return tensors, scales, kv_bytes, max(contexts)
 
 
 def _time_ms(fn, repeats: int = 10) -> float:
@@ -182,7 +215,7 @@ def bench_decode(
     shape: str,
     hf: dict,
     batch: int,
-    context: int,
+    context: int | tuple[int, int],
     sweep: bool,
     kv_cache_dtype: str = "bf16",
     fp16_operands: tuple[bool, ...] = (True,),
@@ -193,11 +226,11 @@ def bench_decode(
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     fp8 = kv_cache_dtype == "fp8"
-    tensors, scales, kv_bytes = _decode_batch(hf, batch, context, kv_cache_dtype)
+    tensors, scales, kv_bytes, longest = _decode_batch(hf, batch, context, kv_cache_dtype)
     q, k_cache, v_cache, loc, lens, table = tensors
     scale = head_dim**-0.5
     cache_bytes = k_cache.element_size()
-    common = {"kind": "decode", "model": shape, "batch": batch, "context": context}
+    common = {"kind": "decode", "model": shape, "batch": batch, "context": _context_label(context)}
     if fp8:
         common["kv_cache_dtype"] = kv_cache_dtype
     default = _default_tiles(True, heads // kv_heads, head_dim, cache_bytes)
@@ -207,7 +240,7 @@ def bench_decode(
         variant = {"fp8_fp16_operands": fp16} if fp8 else {}
 
         def run(tiles=tiles, out=out, variant=variant):
-            paged_attention(q, k_cache, v_cache, loc, lens, table, scale, max_seq_len=context,
+            paged_attention(q, k_cache, v_cache, loc, lens, table, scale, max_seq_len=longest,
                             out=out, tiles=tiles, **scales, **variant)  # fmt: skip
 
         _report({**common, **variant}, tiles, tiles == default, run, kv_bytes=kv_bytes)
@@ -215,7 +248,7 @@ def bench_decode(
     out = torch.empty_like(q)
 
     def searched(out=out):
-        paged_attention(q, k_cache, v_cache, loc, lens, table, scale, max_seq_len=context,
+        paged_attention(q, k_cache, v_cache, loc, lens, table, scale, max_seq_len=longest,
                         out=out, tiles=default, search_sequences=True, **scales)  # fmt: skip
 
     _report({**common, "searched": True}, default, False, searched, kv_bytes=kv_bytes)
@@ -225,10 +258,11 @@ def bench_splits(
     shape: str,
     hf: dict,
     batch: int,
-    context: int,
+    context: int | tuple[int, int],
     counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
     prefetch_modes: tuple[bool, ...] = (False,),
     kv_cache_dtype: str = "bf16",
+    longest_first: bool = False,
 ) -> None:
     """JSON lines: µs a decode call (device graphs) at each split count of ``counts``, for
     each ``decode_prefetch`` of ``prefetch_modes``, over a ``kv_cache_dtype`` ("bf16" or
@@ -238,10 +272,12 @@ def bench_splits(
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     platform = detect_platform(0)
-    tensors, scales, kv_bytes = _decode_batch(hf, batch, context, kv_cache_dtype)
+    tensors, scales, kv_bytes, longest = _decode_batch(
+        hf, batch, context, kv_cache_dtype, longest_first
+    )
     q, k_cache, v_cache, loc, lens, table = tensors
     out = torch.empty_like(q)
-    picked = choose_num_kv_splits(batch, batch, kv_heads, context)
+    picked = choose_num_kv_splits(batch, batch, kv_heads, longest)
     for splits, prefetch in itertools.product(counts, prefetch_modes):
 
         def run(i, splits=splits, prefetch=prefetch):
@@ -249,9 +285,10 @@ def bench_splits(
                             num_kv_splits=splits, out=out, decode_prefetch=prefetch,
                             **scales)  # fmt: skip
 
-        row = {"kind": "decode-splits", "model": shape, "batch": batch, "context": context,
+        row = {"kind": "decode-splits", "model": shape, "batch": batch,
+               "context": _context_label(context),
                "splits": splits, "decode_prefetch": prefetch, "launcher_picks": picked,
-               "kv_cache_dtype": kv_cache_dtype}  # fmt: skip
+               "kv_cache_dtype": kv_cache_dtype, "longest_first": longest_first}  # fmt: skip
         try:
             row["us"] = round(platform.graph_us(run), 2)
             row["gb_s"] = round(kv_bytes / row["us"] / 1e3, 1)
@@ -281,7 +318,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["llama3-8b", "qwen3-0.6b"])
     parser.add_argument("--prefill-len", type=int, default=8000)
     parser.add_argument("--decode", nargs="+", default=["256x1024", "64x4096", "1x8192"],
-                        help="BATCHxCONTEXT decode workloads")  # fmt: skip
+                        help="BATCHxCONTEXT or BATCHxLO-HI (contexts uniform in "
+                        "[LO, HI]) decode workloads")  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="every launch configuration")
     parser.add_argument("--splits", action="store_true", help="decodes over KV split counts")
     parser.add_argument("--split-counts", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32],
@@ -290,18 +328,24 @@ def main() -> None:
                         help="with --splits: paged_attention's decode_prefetch")  # fmt: skip
     parser.add_argument("--kv-cache-dtypes", nargs="+", choices=["bf16", "fp8"],
                         default=["bf16"], help="the caches the decodes are timed over")  # fmt: skip
+    parser.add_argument("--longest-first", choices=["off", "on", "both"], default="off",
+                        help="with --splits and BATCHxLO-HI: the longest sequences' "
+                        "programs first")  # fmt: skip
     parser.add_argument("--no-prefill", action="store_true", help="decodes only")
     parser.add_argument("--fp8-fp16-operands", choices=["off", "on", "both"], default="on",
                         help="FP8-cache decodes: fp16 dots, bf16 dots, or both")  # fmt: skip
     args = parser.parse_args()
     detect_platform(0).set_device()
-    decodes = [tuple(int(x) for x in workload.split("x")) for workload in args.decode]
+    decodes = [parse_decode(workload) for workload in args.decode]
     for shape in args.shapes:
         hf = MODEL_SHAPES[shape]
         if args.splits:
-            for (batch, context), kv in itertools.product(decodes, args.kv_cache_dtypes):
+            orders = BOTH_WAYS[args.longest_first]
+            for (batch, context), kv, order in itertools.product(
+                decodes, args.kv_cache_dtypes, orders
+            ):
                 bench_splits(shape, hf, batch, context, tuple(args.split_counts),
-                             BOTH_WAYS[args.decode_prefetch], kv)  # fmt: skip
+                             BOTH_WAYS[args.decode_prefetch], kv, order)  # fmt: skip
             continue
         if not args.no_prefill:
             bench_prefill(shape, hf, args.prefill_len, args.sweep)

@@ -63,7 +63,7 @@ def dense_shapes(shape: str) -> dict[str, tuple[int, int]]:
 
 
 def sweep_tiles() -> list[GemvTiles]:
-    grid = itertools.product([2, 4, 8, 16, 32], [256, 512, 1024, 2048], [2, 4, 8])
+    grid = itertools.product([2, 4, 8, 16, 32], [256, 512, 1024, 2048, 4096], [2, 4, 8])
     tiles = [GemvTiles(n, k, w) for n, k, w in grid if n * k <= 16384]
     return list(dict.fromkeys([*CANDIDATE_TILES, *tiles]))
 

@@ -40,6 +40,10 @@
 #   attn-fp8kv    the decode attention over a bf16 and an e4m3 KV cache (--splits
 #                 --split-counts 1 8 --kv-cache-dtypes bf16 fp8; GB/s of K/V moved) on the
 #                 Llama-3-8B and Qwen3-0.6B shapes at 256x1024, 64x4096, 1x1024
+#   attn-mixed    the decode attention over batches of mixed lengths like the throughput row's
+#                 decode steps (256 x 200-1124 keys early on, 24 x 1050-1974 near the end),
+#                 Llama-3-8B shape, bf16 and e4m3 caches, 1/2/4 splits, sequences in drawn
+#                 order and longest first (--splits --decode-prefetch on --longest-first both)
 #   attn-sweep-fp8  the decode tiles over an e4m3 KV cache (--sweep --no-prefill
 #                 --kv-cache-dtypes fp8 --fp8-fp16-operands both; the bf16 default beside)
 #                 on the Llama-3-8B shape at 256x1024 and 64x4096, Qwen3-0.6B's at 256x1024
@@ -71,8 +75,8 @@
 #   moe-w8a8      its --w8a8: the grouped GEMMs over bf16, w8a16 and w8a8 (e4m3 activations)
 #                 experts, per-row and 128x128 block scales, at 256, 1024 and 8192 tokens
 #   gemv-sweep    benchmarks/gemv_kernel.py --sweep: the small-batch GEMV's launch
-#                 configurations (split K included) against cuBLAS at one row, per dense
-#                 shape of Qwen3-0.6B, Llama-3-8B and Qwen3-30B-A3B
+#                 configurations against cuBLAS at one row, per dense shape of
+#                 $GEMV_SWEEP_SHAPES (default Qwen3-0.6B, Llama-3-8B and Qwen3-30B-A3B)
 #   gemv-pdl      benchmarks/gemv_kernel.py --pdl: the fused chain's GEMVs a layer, plain
 #                 vs programmatic dependent launch (Hopper)
 #   gemv-fp8      benchmarks/gemv_kernel.py --fp8: the GEMV on e4m3 weights with row scales
@@ -190,6 +194,12 @@ for phase in "$@"; do
         --decode-prefetch both --shapes qwen3-0.6b qwen3-30b-a3b llama3-8b \
         --decode 1x160 1x1024 256x1024 64x4096 >> "$OUT/attn_prefetch.jsonl" 2>> "$OUT/attn_prefetch.log"
       cut -c1-190 "$OUT/attn_prefetch.jsonl"; tail -3 "$OUT/attn_prefetch.log" ;;
+    attn-mixed)
+      timeout 200 python3 benchmarks/attention_kernel.py --splits --split-counts 1 2 4 \
+        --decode-prefetch on --longest-first both --kv-cache-dtypes bf16 fp8 --shapes llama3-8b \
+        --decode 256x200-1124 168x500-1424 96x800-1724 24x1050-1974 256x768 \
+        >> "$OUT/attn_mixed.jsonl" 2>> "$OUT/attn_mixed.log"
+      cut -c1-260 "$OUT/attn_mixed.jsonl"; tail -3 "$OUT/attn_mixed.log" ;;
     attn-sweep-fp8)
       for shape in llama3-8b qwen3-0.6b; do
         decodes="256x1024 64x4096"; [ $shape = qwen3-0.6b ] && decodes="256x1024"
@@ -308,7 +318,7 @@ for t in sorted({r['tokens'] for r in rows}):
       cat "$OUT/moe_w8a8.jsonl"; tail -3 "$OUT/moe_w8a8.log" ;;
     gemv-sweep)
       timeout 300 python3 benchmarks/gemv_kernel.py --sweep \
-        --shapes qwen3-0.6b llama3-8b qwen3-30b-a3b >> "$OUT/gemv_sweep.jsonl" 2>> "$OUT/gemv_sweep.log"
+        --shapes ${GEMV_SWEEP_SHAPES:-qwen3-0.6b llama3-8b qwen3-30b-a3b} >> "$OUT/gemv_sweep.jsonl" 2>> "$OUT/gemv_sweep.log"
       cut -c1-400 "$OUT/gemv_sweep.jsonl"; tail -3 "$OUT/gemv_sweep.log" ;;
     gemv-pdl)
       timeout 120 python3 benchmarks/gemv_kernel.py --pdl --shapes qwen3-0.6b llama3-8b \
