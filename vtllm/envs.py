@@ -101,7 +101,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VT_SMALL_BATCH_GEMV": lambda: _choice("VT_SMALL_BATCH_GEMV", ("auto", "off"), "auto"),
     # CUDA sm90+: the fused decode chain's GEMVs with programmatic dependent launch where
     # start-up timing says it pays (auto), or never (off).
-    "VT_DECODE_PDL": lambda: _choice("VT_DECODE_PDL", ("auto", "off"), "auto"),
+    "VT_DECODE_PDL": lambda: _choice("VT_DECODE_PDL", ("auto", "off"), "off"),
     # Decode-only GPU steps: q/k norm, rotary and the k/v cache write inside the attention
     # kernel (auto), or in their own kernel first (off).
     "VT_DECODE_FUSED_PREP": lambda: _choice("VT_DECODE_FUSED_PREP", ("auto", "off"), "auto"),

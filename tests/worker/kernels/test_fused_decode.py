@@ -72,16 +72,20 @@ def test_moe_models_keep_their_unfused_layers():
 
 
 def test_pdl_is_left_out_where_it_cannot_run(device, monkeypatch):
-    """Programmatic dependent launch only on CUDA sm90+ and unless VT_DECODE_PDL=off; a
+    """Programmatic dependent launch only on CUDA sm90+ with VT_DECODE_PDL=auto (off by
+    default); a
     launch that fails (here Triton's interpreter, which has no griddepcontrol) leaves the
     chain plain, with the reason, instead of failing the start-up."""
     from vtllm.worker.layers.small_batch import _pdl_available, time_chain_with_pdl
     from vtllm.worker.platform import Platform, PlatformKind, detect_platform
 
     platform = detect_platform(0)
+    monkeypatch.setenv("VT_DECODE_PDL", "auto")
     assert not _pdl_available(Platform(PlatformKind.CPU, torch.device("cpu")))
     monkeypatch.setenv("VT_DECODE_PDL", "off")
     assert not _pdl_available(platform)
+    monkeypatch.delenv("VT_DECODE_PDL")
+    assert not _pdl_available(platform)  # the default
     if device.type != "cpu":
         return  # on a GPU the launch itself is tested in test_gemv.py
     pdl_us, why_not = time_chain_with_pdl(platform, [make_layer(torch.float32, device)], TILES)

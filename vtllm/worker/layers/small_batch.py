@@ -251,10 +251,12 @@ def time_decode_chain(
 
 
 def _pdl_available(platform) -> bool:
-    """Programmatic dependent launch: CUDA on sm90 or later, unless VT_DECODE_PDL=off."""
+    """Programmatic dependent launch: CUDA on sm90 or later, with VT_DECODE_PDL=auto (off
+    by default: the chain's timing alone picked it on an H100 where the served decode step
+    then ran 16 % slower, docs/BENCHMARKS.md session 42)."""
     from vtllm import envs
 
-    return envs.VT_DECODE_PDL != "off" and platform.has_programmatic_dependent_launch
+    return envs.VT_DECODE_PDL == "auto" and platform.has_programmatic_dependent_launch
 
 
 def time_chain_with_pdl(
