@@ -58,10 +58,12 @@ class GemvTiles:
 # Qwen3-0.6B / Llama-3-8B / Qwen3-30B-A3B shapes at one row): 4 x 1024 with 4 warps was
 # the fastest on 12 of 13 shapes (many programs, each with 8 KB of one load in flight);
 # split K never won (it adds a pass over fp32 partials for programs that are already many).
-# The last three from session 42's sweep, which added 2-output and 2048/4096-wide K tiles
+# The last two from session 42's sweep, which added 2-output and 2048/4096-wide K tiles
 # (H100, one row): on the Qwen3-0.6B shape qkv 6.16 -> 5.37 us (2 x 1024), o 4.84 -> 4.07
-# (2 x 2048), gate/up 7.08 -> 6.87, down 5.86 -> 5.11 (4 x 4096: K in one load); on
-# Qwen3-30B-A3B's o 9.24 -> 8.37 (2 x 2048; cuBLAS 10.05)
+# (2 x 2048), gate/up 7.08 -> 6.87; on Qwen3-30B-A3B's o 9.24 -> 8.37 (2 x 2048; cuBLAS
+# 10.05). Not 4 x 4096 (down 5.86 -> 5.11 at one row): the products are
+# [BLOCK_M, BLOCK_N, BLOCK_K] fp32 in registers, and at 4 rows that tile holds 512 a
+# thread (spills) where every candidate here holds at most 128; start-up times one row.
 CANDIDATE_TILES = (
     GemvTiles(4, 1024, 4),
     GemvTiles(8, 1024, 4),
@@ -70,7 +72,6 @@ CANDIDATE_TILES = (
     GemvTiles(16, 512, 8),
     GemvTiles(2, 1024, 4),
     GemvTiles(2, 2048, 4),
-    GemvTiles(4, 4096, 4),
 )
 
 
