@@ -180,9 +180,10 @@ def gemv(
 
     ``pdl``: launch with programmatic dependent launch, so that on Hopper the kernel can
     start, and fetch its first weight tile, while the kernel before it in the stream (or
-    graph) finishes; it waits for that kernel before reading x or the residual. The
-    fused decode chain takes it where start-up timing says it pays (``layers/
-    small_batch.py``, ``VT_DECODE_PDL``); ``benchmarks/gemv_kernel.py --pdl`` measures it."""
+    graph) finishes; it waits for that kernel before reading x or the residual. With
+    ``VT_DECODE_PDL=auto`` (off by default) the fused decode chain takes it where start-up
+    timing says it pays (``layers/small_batch.py``); ``benchmarks/gemv_kernel.py --pdl``
+    measures it."""
     num_rows, k = x.shape
     n = weight.shape[0]
     if silu_and_mul:
