@@ -29,6 +29,11 @@ K and V each moved:
 
     python3 benchmarks/attention_kernel.py --splits --split-counts 1 8 --kv-cache-dtypes bf16 fp8
 
+``--cold-l2`` evicts L2 before each decode call and subtracts the eviction's own time
+(``ColdL2``): a model's attention finds its q, sequence lengths and block table in DRAM,
+not in L2 as back-to-back calls do (session 42: the served attention ran 10-20 % slower
+than this script's figures).
+
 Without ``--splits`` the same flag times the tiles' decodes over each cache; ``--sweep
 --no-prefill --kv-cache-dtypes fp8`` sweeps the FP8 cache's decode tiles (a grid with
 256-key tiles and 5 stages, since a tile holds half the bytes); ``--fp8-fp16-operands
@@ -139,6 +144,32 @@ def _decode_batch(
     return tensors, scales, kv_bytes, max(contexts)
 
 
+class ColdL2:
+    """An eviction of L2 before each timed call, and what it costs alone (to subtract).
+
+    Repeated back to back, a decode finds q, ``seq_lens`` and the block table in L2; in a
+    model the linears between two layers' attention stream their weights through L2, so
+    each program's first loads go to DRAM. ``--cold-l2`` times that case: every call
+    follows a write of a buffer larger than L2 (256 MiB; H100/H200 L2 is 50/60 MB)."""
+
+    BYTES = 256 << 20
+
+    def __init__(self) -> None:
+        self.scratch = torch.empty(self.BYTES, dtype=torch.uint8, device="cuda")
+
+    def evict(self, *_) -> None:
+        self.scratch.zero_()
+
+    def before(self, fn):
+        """``fn`` with the eviction first (same arguments)."""
+
+        def evicted_then_fn(*args):
+            self.evict()
+            return fn(*args)
+
+        return evicted_then_fn
+
+
 def _time_ms(fn, repeats: int = 10) -> float:
     """Median milliseconds of ``fn()`` over ``repeats`` timed calls (CUDA events)."""
     fn()
@@ -219,10 +250,12 @@ def bench_decode(
     sweep: bool,
     kv_cache_dtype: str = "bf16",
     fp16_operands: tuple[bool, ...] = (True,),
+    cold: ColdL2 | None = None,
 ) -> None:
     """JSON lines: a decode batch's ms and GB/s of K/V at each launch configuration (with
     ``sweep``), over a ``kv_cache_dtype`` cache; an FP8 cache's once per
-    ``fp16_operands`` (``paged_attention``'s ``fp8_fp16_operands``)."""
+    ``fp16_operands`` (``paged_attention``'s ``fp8_fp16_operands``); with ``cold``, each
+    call after an eviction of L2 (its own time subtracted)."""
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     fp8 = kv_cache_dtype == "fp8"
@@ -231,6 +264,8 @@ def bench_decode(
     scale = head_dim**-0.5
     cache_bytes = k_cache.element_size()
     common = {"kind": "decode", "model": shape, "batch": batch, "context": _context_label(context)}
+    if cold:
+        common["cold_l2"] = True
     if fp8:
         common["kv_cache_dtype"] = kv_cache_dtype
     default = _default_tiles(True, heads // kv_heads, head_dim, cache_bytes)
@@ -243,7 +278,7 @@ def bench_decode(
             paged_attention(q, k_cache, v_cache, loc, lens, table, scale, max_seq_len=longest,
                             out=out, tiles=tiles, **scales, **variant)  # fmt: skip
 
-        _report({**common, **variant}, tiles, tiles == default, run, kv_bytes=kv_bytes)
+        _report({**common, **variant}, tiles, tiles == default, run, cold, kv_bytes=kv_bytes)
     # the default tiles with the sequence search of mixed steps (program i is not seq i)
     out = torch.empty_like(q)
 
@@ -251,7 +286,7 @@ def bench_decode(
         paged_attention(q, k_cache, v_cache, loc, lens, table, scale, max_seq_len=longest,
                         out=out, tiles=default, search_sequences=True, **scales)  # fmt: skip
 
-    _report({**common, "searched": True}, default, False, searched, kv_bytes=kv_bytes)
+    _report({**common, "searched": True}, default, False, searched, cold, kv_bytes=kv_bytes)
 
 
 def bench_splits(
@@ -263,6 +298,7 @@ def bench_splits(
     prefetch_modes: tuple[bool, ...] = (False,),
     kv_cache_dtype: str = "bf16",
     longest_first: bool = False,
+    cold: ColdL2 | None = None,
 ) -> None:
     """JSON lines: µs a decode call (device graphs) at each split count of ``counts``, for
     each ``decode_prefetch`` of ``prefetch_modes``, over a ``kv_cache_dtype`` ("bf16" or
@@ -290,18 +326,33 @@ def bench_splits(
                "splits": splits, "decode_prefetch": prefetch, "launcher_picks": picked,
                "kv_cache_dtype": kv_cache_dtype, "longest_first": longest_first}  # fmt: skip
         try:
-            row["us"] = round(platform.graph_us(run), 2)
+            if cold:
+                row["cold_l2"] = True
+                us = platform.graph_us(cold.before(run)) - platform.graph_us(cold.evict)
+            else:
+                us = platform.graph_us(run)
+            row["us"] = round(us, 2)
             row["gb_s"] = round(kv_bytes / row["us"] / 1e3, 1)
         except Exception as e:  # noqa: BLE001 - report, go on
             row["error"] = f"{type(e).__name__}: {str(e)[:150]}"
         print(json.dumps(row), flush=True)
 
 
-def _report(common: dict, tiles: AttentionTiles, is_default: bool, run, **work) -> None:
+def _report(
+    common: dict,
+    tiles: AttentionTiles,
+    is_default: bool,
+    run,
+    cold: ColdL2 | None = None,
+    **work,
+) -> None:
     config = f"{tiles.block_m}x{tiles.tile_n} w{tiles.num_warps} s{tiles.num_stages}"
     row = {**common, "config": config, "default": is_default}
     try:
-        ms = _time_ms(run)
+        if cold:
+            ms = _time_ms(cold.before(run)) - _time_ms(cold.evict)
+        else:
+            ms = _time_ms(run)
     except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
         print(json.dumps({**row, "error": f"{type(e).__name__}: {str(e)[:150]}"}), flush=True)
         return
@@ -331,11 +382,15 @@ def main() -> None:
     parser.add_argument("--longest-first", choices=["off", "on", "both"], default="off",
                         help="with --splits and BATCHxLO-HI: the longest sequences' "
                         "programs first")  # fmt: skip
+    parser.add_argument("--cold-l2", action="store_true",
+                        help="decodes: evict L2 before each call, as between a model's "
+                        "layers (ColdL2)")  # fmt: skip
     parser.add_argument("--no-prefill", action="store_true", help="decodes only")
     parser.add_argument("--fp8-fp16-operands", choices=["off", "on", "both"], default="on",
                         help="FP8-cache decodes: fp16 dots, bf16 dots, or both")  # fmt: skip
     args = parser.parse_args()
     detect_platform(0).set_device()
+    cold = ColdL2() if args.cold_l2 else None
     decodes = [parse_decode(workload) for workload in args.decode]
     for shape in args.shapes:
         hf = MODEL_SHAPES[shape]
@@ -345,13 +400,13 @@ def main() -> None:
                 decodes, args.kv_cache_dtypes, orders
             ):
                 bench_splits(shape, hf, batch, context, tuple(args.split_counts),
-                             BOTH_WAYS[args.decode_prefetch], kv, order)  # fmt: skip
+                             BOTH_WAYS[args.decode_prefetch], kv, order, cold)  # fmt: skip
             continue
         if not args.no_prefill:
             bench_prefill(shape, hf, args.prefill_len, args.sweep)
         fp16 = BOTH_WAYS[args.fp8_fp16_operands]
         for (batch, context), kv in itertools.product(decodes, args.kv_cache_dtypes):
-            bench_decode(shape, hf, batch, context, args.sweep, kv, fp16)
+            bench_decode(shape, hf, batch, context, args.sweep, kv, fp16, cold)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,10 @@
 #                 decode steps (256 x 200-1124 keys early on, 24 x 1050-1974 near the end),
 #                 Llama-3-8B shape, bf16 and e4m3 caches, 1/2/4 splits, sequences in drawn
 #                 order and longest first (--splits --decode-prefetch on --longest-first both)
+#   attn-cold     the decode attention with L2 evicted before each call (--cold-l2), as in a
+#                 model: the served default (--splits --split-counts 1 --decode-prefetch
+#                 on), then the tile sweep (--sweep --no-prefill), bf16 and e4m3 caches,
+#                 Llama-3-8B shape at 256 x 768 and 96 x 800-1724 keys
 #   attn-sweep-fp8  the decode tiles over an e4m3 KV cache (--sweep --no-prefill
 #                 --kv-cache-dtypes fp8 --fp8-fp16-operands both; the bf16 default beside)
 #                 on the Llama-3-8B shape at 256x1024 and 64x4096, Qwen3-0.6B's at 256x1024
@@ -200,6 +204,13 @@ for phase in "$@"; do
         --decode 256x200-1124 168x500-1424 96x800-1724 24x1050-1974 256x768 \
         >> "$OUT/attn_mixed.jsonl" 2>> "$OUT/attn_mixed.log"
       cut -c1-260 "$OUT/attn_mixed.jsonl"; tail -3 "$OUT/attn_mixed.log" ;;
+    attn-cold)
+      for mode in "--splits --split-counts 1 --decode-prefetch on" "--sweep --no-prefill"; do
+        timeout 200 python3 benchmarks/attention_kernel.py $mode --cold-l2 --shapes llama3-8b \
+          --kv-cache-dtypes bf16 fp8 --decode 256x768 96x800-1724 \
+          >> "$OUT/attn_cold.jsonl" 2>> "$OUT/attn_cold.log"
+      done
+      cut -c1-230 "$OUT/attn_cold.jsonl"; tail -3 "$OUT/attn_cold.log" ;;
     attn-sweep-fp8)
       for shape in llama3-8b qwen3-0.6b; do
         decodes="256x1024 64x4096"; [ $shape = qwen3-0.6b ] && decodes="256x1024"
