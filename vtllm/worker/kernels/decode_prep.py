@@ -32,8 +32,9 @@ from vtllm.worker.kv_cache_dtype import is_fp8
 class DecodePrep:
     """``qkv_prep``'s inputs besides qkv and the caches, for ``paged_attention`` given the
     projection instead of q (``prep=``): on decode-only steps the attention kernel does
-    that work itself (module docstring, "Fused prep"); on other steps ``qkv_prep`` runs
-    first. The fields mean what ``qkv_prep``'s arguments of the same names mean."""
+    that work itself (this module's docstring; ``paged_attention.py``'s, "Fused prep");
+    on other steps ``qkv_prep`` runs first. The fields mean what ``qkv_prep``'s arguments
+    of the same names mean."""
 
     num_heads: int
     positions: torch.Tensor  # [num_tokens]
