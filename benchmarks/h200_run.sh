@@ -33,7 +33,8 @@
 #                 keys over KV split counts 1-32 (device graphs), beside the launcher's pick
 #   ab-attn       the decode attention alone, this tree against $BASE_TREE (this tree's
 #                 attention_kernel.py copied there): --splits --split-counts 1 8 on the
-#                 Qwen3-0.6B, -30B-A3B and Llama-3-8B shapes at 1x160, 1x1024, 256x1024
+#                 Qwen3-0.6B, -30B-A3B and Llama-3-8B shapes at 1x160, 1x1024, 256x1024,
+#                 plus $AB_ATTN_FLAGS (e.g. "--decode-prefetch on --cold-l2": as served)
 #   attn-prefetch the decode attention with and without its shorter chain of loads
 #                 (paged_attention.DECODE_PREFETCH, on by default): --splits --split-counts 1 8
 #                 --decode-prefetch both on three shapes at 1x160, 1x1024, 256x1024, 64x4096
@@ -190,7 +191,7 @@ for phase in "$@"; do
         dir=$PWD; [ $tree = base ] && dir=$(cd "$BASE_TREE" && pwd)
         PYTHONPATH=/tmp/site:$dir timeout 100 python3 "$dir/benchmarks/attention_kernel.py" \
           --splits --split-counts 1 8 --shapes qwen3-0.6b qwen3-30b-a3b llama3-8b \
-          --decode 1x160 1x1024 256x1024 2>> "$OUT/ab_attn.log" | sed "s/^/$tree /" \
+          --decode 1x160 1x1024 256x1024 ${AB_ATTN_FLAGS:-} 2>> "$OUT/ab_attn.log" | sed "s/^/$tree /" \
           | tee -a "$OUT/ab_attn.txt" | cut -c1-170
       done ;;
     attn-prefetch)
