@@ -61,9 +61,10 @@ class GemvTiles:
 # The last two from session 42's sweep, which added 2-output and 2048/4096-wide K tiles
 # (H100, one row): on the Qwen3-0.6B shape qkv 6.16 -> 5.37 us (2 x 1024), o 4.84 -> 4.07
 # (2 x 2048), gate/up 7.08 -> 6.87; on Qwen3-30B-A3B's o 9.24 -> 8.37 (2 x 2048; cuBLAS
-# 10.05). Not 4 x 4096 (down 5.86 -> 5.11 at one row): the products are
-# [BLOCK_M, BLOCK_N, BLOCK_K] fp32 in registers, and at 4 rows that tile holds 512 a
-# thread (spills) where every candidate here holds at most 128; start-up times one row.
+# 10.05). Not 4 x 4096 (down 5.86 -> 5.11 at one row): compiled for sm_90 (Triton 3.6)
+# it takes 127 registers a thread at one row and 226 at four, where every candidate here
+# takes at most 105 at four (no spills in any), so at 2-4 rows it runs half as many
+# programs an SM or fewer; start-up times one row only.
 CANDIDATE_TILES = (
     GemvTiles(4, 1024, 4),
     GemvTiles(8, 1024, 4),
