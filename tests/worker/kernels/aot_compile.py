@@ -435,6 +435,12 @@ VARIANTS = [
         "fp16",
         dict(BLOCK_M=4, BLOCK_N=8, BLOCK_K=256, ROW_SCALE=False) | _GEMV_PLAIN,
     ),
+    Variant(  # session 42's 2-output candidate tile at the most rows it serves
+        "gemv/bf16-2x2048-4-rows",
+        gemv._gemv_kernel,
+        "bf16",
+        dict(BLOCK_M=4, BLOCK_N=2, BLOCK_K=2048, ROW_SCALE=False) | _GEMV_PLAIN,
+    ),
     Variant(
         "gemv/bf16-fp8-row-scales",
         gemv._gemv_kernel,
