@@ -100,7 +100,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # weight shape at start-up and use it at 1-4 rows where it wins (auto), or never (off).
     "VT_SMALL_BATCH_GEMV": lambda: _choice("VT_SMALL_BATCH_GEMV", ("auto", "off"), "auto"),
     # CUDA sm90+: the fused decode chain's GEMVs with programmatic dependent launch where
-    # start-up timing says it pays (auto), or never (off).
+    # start-up timing says it pays (auto, opt-in), or never (off, the default).
     "VT_DECODE_PDL": lambda: _choice("VT_DECODE_PDL", ("auto", "off"), "off"),
     # Decode-only GPU steps: q/k norm, rotary and the k/v cache write inside the attention
     # kernel (auto), or in their own kernel first (off).

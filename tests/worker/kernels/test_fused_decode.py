@@ -73,9 +73,8 @@ def test_moe_models_keep_their_unfused_layers():
 
 def test_pdl_is_left_out_where_it_cannot_run(device, monkeypatch):
     """Programmatic dependent launch only on CUDA sm90+ with VT_DECODE_PDL=auto (off by
-    default); a
-    launch that fails (here Triton's interpreter, which has no griddepcontrol) leaves the
-    chain plain, with the reason, instead of failing the start-up."""
+    default); a launch that fails (here Triton's interpreter, which has no griddepcontrol)
+    leaves the chain plain, with the reason, instead of failing the start-up."""
     from vtllm.worker.layers.small_batch import _pdl_available, time_chain_with_pdl
     from vtllm.worker.platform import Platform, PlatformKind, detect_platform
 
